@@ -1,0 +1,155 @@
+//! Recording on `diesel_async` connections.
+
+use std::future::Future;
+
+use diesel::QueryResult;
+use diesel::pg::Pg;
+use diesel_async::{AsyncConnection, RunQueryDsl, TransactionManager};
+use uuid::Uuid;
+
+use crate::record::{InsertEvents, NotifyQuery, ensure_in_transaction};
+use crate::{Outbox, OutboxEvent};
+
+impl Outbox {
+    /// [`Outbox::record`] on an async connection.
+    pub fn record_async<'c, C, E>(
+        &'c self,
+        conn: &'c mut C,
+        event: &E,
+    ) -> impl Future<Output = QueryResult<Uuid>> + Send + 'c
+    where
+        C: AsyncConnection<Backend = Pg>,
+        E: OutboxEvent + ?Sized,
+    {
+        let batch = self.prepare(std::iter::once(event));
+        async move {
+            let batch = batch?;
+            let id = batch.ids[0];
+            self.execute_async(conn, batch).await?;
+            Ok(id)
+        }
+    }
+
+    /// [`Outbox::record_all`] on an async connection.
+    pub fn record_all_async<'c, C, E>(
+        &'c self,
+        conn: &'c mut C,
+        events: &[E],
+    ) -> impl Future<Output = QueryResult<Vec<Uuid>>> + Send + 'c
+    where
+        C: AsyncConnection<Backend = Pg>,
+        E: OutboxEvent,
+    {
+        let batch = self.prepare(events.iter());
+        async move {
+            let batch = batch?;
+            let ids = batch.ids.clone();
+            if !ids.is_empty() {
+                self.execute_async(conn, batch).await?;
+            }
+            Ok(ids)
+        }
+    }
+
+    async fn execute_async<C>(&self, conn: &mut C, batch: InsertEvents) -> QueryResult<()>
+    where
+        C: AsyncConnection<Backend = Pg>,
+    {
+        ensure_in_transaction(C::TransactionManager::transaction_manager_status_mut(conn))?;
+        tracing::debug!(outbox.table = %self.table(), batch.len = batch.ids.len(), "outbox.record");
+        batch.execute(conn).await?;
+        if self.notify_due() {
+            NotifyQuery { channel: self.channel() }.execute(conn).await?;
+        }
+        Ok(())
+    }
+}
+
+/// Recording on an async Diesel connection: `diesel_async::AsyncPgConnection` and pooled
+/// (deadpool, bb8) ones. Feature `async`.
+///
+/// ```no_run
+/// use diesel_async::{AsyncConnection, AsyncPgConnection};
+/// use outbox_diesel::{AsyncOutboxExt, OutboxEvent};
+/// use serde::Serialize;
+///
+/// #[derive(Serialize, OutboxEvent)]
+/// #[outbox(aggregate_type = "order", event_type = "order.placed")]
+/// struct OrderPlaced {
+///     #[outbox(aggregate_id)]
+///     order_id: i64,
+///     total_cents: i64,
+/// }
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// let mut conn = AsyncPgConnection::establish("postgres://localhost/app").await?;
+/// conn.transaction(async |conn| {
+///     // diesel::insert_into(orders::table).values(&order).execute(conn).await?;
+///     conn.record_event(&OrderPlaced { order_id: 7, total_cents: 1250 }).await?;
+///     Ok::<_, diesel::result::Error>(())
+/// })
+/// .await?;
+/// # Ok(()) }
+/// ```
+pub trait AsyncOutboxExt {
+    /// Records `event` in the default outbox; see [`Outbox::record`].
+    fn record_event<E: OutboxEvent + ?Sized>(
+        &mut self,
+        event: &E,
+    ) -> impl Future<Output = QueryResult<Uuid>> + Send;
+
+    /// Records `events` with one multi-row `INSERT`; see [`Outbox::record_all`].
+    fn record_events<E: OutboxEvent>(
+        &mut self,
+        events: &[E],
+    ) -> impl Future<Output = QueryResult<Vec<Uuid>>> + Send;
+
+    /// Records `event` in `outbox`.
+    fn record_event_with<'c, E: OutboxEvent + ?Sized>(
+        &'c mut self,
+        outbox: &'c Outbox,
+        event: &E,
+    ) -> impl Future<Output = QueryResult<Uuid>> + Send + 'c;
+
+    /// Records `events` in `outbox` with one multi-row `INSERT`.
+    fn record_events_with<'c, E: OutboxEvent>(
+        &'c mut self,
+        outbox: &'c Outbox,
+        events: &[E],
+    ) -> impl Future<Output = QueryResult<Vec<Uuid>>> + Send + 'c;
+}
+
+impl<C> AsyncOutboxExt for C
+where
+    C: AsyncConnection<Backend = Pg>,
+{
+    fn record_event<E: OutboxEvent + ?Sized>(
+        &mut self,
+        event: &E,
+    ) -> impl Future<Output = QueryResult<Uuid>> + Send {
+        Outbox::global().record_async(self, event)
+    }
+
+    fn record_events<E: OutboxEvent>(
+        &mut self,
+        events: &[E],
+    ) -> impl Future<Output = QueryResult<Vec<Uuid>>> + Send {
+        Outbox::global().record_all_async(self, events)
+    }
+
+    fn record_event_with<'c, E: OutboxEvent + ?Sized>(
+        &'c mut self,
+        outbox: &'c Outbox,
+        event: &E,
+    ) -> impl Future<Output = QueryResult<Uuid>> + Send + 'c {
+        outbox.record_async(self, event)
+    }
+
+    fn record_events_with<'c, E: OutboxEvent>(
+        &'c mut self,
+        outbox: &'c Outbox,
+        events: &[E],
+    ) -> impl Future<Output = QueryResult<Vec<Uuid>>> + Send + 'c {
+        outbox.record_all_async(self, events)
+    }
+}

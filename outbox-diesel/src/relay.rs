@@ -1,0 +1,312 @@
+//! The relay's database side (feature `async`): read the unpublished rows of a partition in
+//! `seq` order, mark the acked ones, record failures, and hold a partition's lease.
+//!
+//! `outbox-nats`'s relay drives these; they are public so that other transports can reuse
+//! them. Every function takes the [`OutboxTable`] it works on.
+
+use chrono::{DateTime, Utc};
+use diesel::pg::Pg;
+use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
+use diesel::sql_types::{Array, BigInt, Bool, Integer, Jsonb, Nullable, Text, Timestamptz, Uuid as SqlUuid};
+use diesel::{QueryResult, QueryableByName};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use uuid::Uuid;
+
+use crate::OutboxTable;
+use crate::table::quote_literal;
+
+/// One outbox row, as the relay publishes it.
+#[derive(Debug, Clone, PartialEq, QueryableByName)]
+pub struct OutboxRow {
+    /// Insertion order.
+    #[diesel(sql_type = BigInt)]
+    pub seq: i64,
+    /// The message id: `Nats-Msg-Id`.
+    #[diesel(sql_type = SqlUuid)]
+    pub id: Uuid,
+    /// The aggregate's type.
+    #[diesel(sql_type = Text)]
+    pub aggregate_type: String,
+    /// The aggregate's id.
+    #[diesel(sql_type = Text)]
+    pub aggregate_id: String,
+    /// The event's type.
+    #[diesel(sql_type = Text)]
+    pub event_type: String,
+    /// The message body.
+    #[diesel(sql_type = Jsonb)]
+    pub payload: serde_json::Value,
+    /// Extra headers (a JSON object).
+    #[diesel(sql_type = Jsonb)]
+    pub headers: serde_json::Value,
+    /// When it was recorded.
+    #[diesel(sql_type = Timestamptz)]
+    pub created_at: DateTime<Utc>,
+    /// Failed attempts so far.
+    #[diesel(sql_type = Integer)]
+    pub attempts: i32,
+}
+
+/// Which rows a relay task works on: all of them, or the rows whose `aggregate_hash` falls
+/// in partition `index` of `count` (`aggregate_hash % count = index`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Partition {
+    /// This partition's number, `0..count`.
+    pub index: u32,
+    /// How many partitions the table is split into.
+    pub count: u32,
+}
+
+impl Partition {
+    /// The whole table as one partition.
+    pub const ALL: Partition = Partition { index: 0, count: 1 };
+
+    /// The partition an aggregate id falls in: the first 28 bits of the MD5 of the id,
+    /// modulo `count`. The same as the table's generated `aggregate_hash % count`.
+    ///
+    /// ```
+    /// use outbox_diesel::relay::Partition;
+    /// assert_eq!(Partition::hash("a.b c"), 251735073);
+    /// assert_eq!(Partition::of("a.b c", 16).index, 251735073 % 16);
+    /// ```
+    pub fn of(aggregate_id: &str, count: u32) -> Partition {
+        Partition { index: Partition::hash(aggregate_id) as u32 % count.max(1), count: count.max(1) }
+    }
+
+    /// The stable hash of an aggregate id: the first 28 bits of its MD5, as the table's
+    /// `aggregate_hash` column computes it.
+    pub fn hash(aggregate_id: &str) -> i32 {
+        use md5::Digest;
+        let d = md5::Md5::digest(aggregate_id.as_bytes());
+        ((u32::from_be_bytes([d[0], d[1], d[2], d[3]])) >> 4) as i32
+    }
+}
+
+/// `SELECT … FROM outbox WHERE unpublished, not parked, not behind a parked row of its
+/// aggregate [, in the partition] ORDER BY seq LIMIT n`.
+#[derive(Debug)]
+struct FetchBatch<'a> {
+    table: &'a OutboxTable,
+    partition: Partition,
+    limit: i64,
+}
+
+impl QueryId for FetchBatch<'_> {
+    type QueryId = ();
+    const HAS_STATIC_QUERY_ID: bool = false;
+}
+
+impl Query for FetchBatch<'_> {
+    type SqlType = diesel::sql_types::Untyped;
+}
+
+impl QueryFragment<Pg> for FetchBatch<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql(
+            "SELECT o.seq, o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload, \
+             o.headers, o.created_at, o.attempts FROM ",
+        );
+        self.table.walk_ast(&mut out)?;
+        out.push_sql(" o WHERE o.published_at IS NULL AND o.parked_at IS NULL");
+        if self.partition.count > 1 {
+            // literals, not binds: each partition gets its own cached plan
+            out.push_sql(&format!(
+                " AND o.aggregate_hash % {} = {}",
+                self.partition.count, self.partition.index
+            ));
+        }
+        out.push_sql(" AND NOT EXISTS (SELECT 1 FROM ");
+        self.table.walk_ast(&mut out)?;
+        out.push_sql(
+            " p WHERE p.parked_at IS NOT NULL AND p.published_at IS NULL \
+             AND p.aggregate_type = o.aggregate_type AND p.aggregate_id = o.aggregate_id \
+             AND p.seq < o.seq) ORDER BY o.seq LIMIT ",
+        );
+        out.push_bind_param::<BigInt, _>(&self.limit)?;
+        Ok(())
+    }
+}
+
+impl<Conn> diesel::RunQueryDsl<Conn> for FetchBatch<'_> {}
+
+/// Reads up to `limit` rows of `partition` that are not published yet (nor parked, nor behind
+/// a parked row of their aggregate), oldest `seq` first.
+pub async fn fetch_unpublished(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    partition: Partition,
+    limit: i64,
+) -> QueryResult<Vec<OutboxRow>> {
+    FetchBatch { table, partition, limit }.load(conn).await
+}
+
+#[derive(Debug)]
+struct MarkPublished<'a> {
+    table: &'a OutboxTable,
+    seqs: &'a [i64],
+}
+
+impl QueryId for MarkPublished<'_> {
+    type QueryId = ();
+    const HAS_STATIC_QUERY_ID: bool = false;
+}
+
+impl QueryFragment<Pg> for MarkPublished<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql("UPDATE ");
+        self.table.walk_ast(&mut out)?;
+        out.push_sql(" SET published_at = now() WHERE seq = ANY(");
+        out.push_bind_param::<Array<BigInt>, _>(self.seqs)?;
+        out.push_sql(") AND published_at IS NULL");
+        Ok(())
+    }
+}
+
+impl<Conn> diesel::RunQueryDsl<Conn> for MarkPublished<'_> {}
+
+/// Sets `published_at` on the rows `seqs` (those JetStream acked); returns how many it marked.
+pub async fn mark_published(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    seqs: &[i64],
+) -> QueryResult<usize> {
+    if seqs.is_empty() {
+        return Ok(0);
+    }
+    MarkPublished { table, seqs }.execute(conn).await
+}
+
+/// Counts a failed publish of row `seq` with its error; parks the row (it is then skipped,
+/// and holds back the later rows of its aggregate) when `park` is set.
+pub async fn record_failure(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    seq: i64,
+    error: &str,
+    park: bool,
+) -> QueryResult<()> {
+    diesel::sql_query(format!(
+        "UPDATE {} SET attempts = attempts + 1, last_error = $1, \
+         parked_at = CASE WHEN $2 THEN now() ELSE parked_at END WHERE seq = $3",
+        table.quoted()
+    ))
+    .bind::<Text, _>(error)
+    .bind::<Bool, _>(park)
+    .bind::<BigInt, _>(seq)
+    .execute(conn)
+    .await
+    .map(drop)
+}
+
+#[derive(QueryableByName)]
+struct Flag {
+    #[diesel(sql_type = Nullable<Bool>)]
+    flag: Option<bool>,
+}
+
+/// Whether `table` exists (and is visible to this role).
+pub async fn table_exists(conn: &mut AsyncPgConnection, table: &OutboxTable) -> QueryResult<bool> {
+    let f: Flag = diesel::sql_query(format!(
+        "SELECT to_regclass({}) IS NOT NULL AS flag",
+        quote_literal(&table.quoted())
+    ))
+    .get_result(conn)
+    .await?;
+    Ok(f.flag.unwrap_or(false))
+}
+
+/// Tries to take the session advisory lock that makes this connection the owner of
+/// `partition` of `table`; `true` when it got it (or already held it).
+///
+/// The lock is `pg_try_advisory_lock(<table oid>, <partition index>)`: it is released when
+/// the connection closes, so a dead relay's partitions are free as soon as PostgreSQL notices
+/// its connection is gone.
+pub async fn try_lock_partition(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    partition: Partition,
+) -> QueryResult<bool> {
+    let f: Flag = diesel::sql_query(format!(
+        "SELECT pg_try_advisory_lock(to_regclass({})::oid::int, $1) AS flag",
+        quote_literal(&table.quoted())
+    ))
+    .bind::<Integer, _>(partition.index as i32)
+    .get_result(conn)
+    .await?;
+    Ok(f.flag.unwrap_or(false))
+}
+
+/// Releases the lock taken by [`try_lock_partition`].
+pub async fn unlock_partition(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    partition: Partition,
+) -> QueryResult<bool> {
+    let f: Flag = diesel::sql_query(format!(
+        "SELECT pg_advisory_unlock(to_regclass({})::oid::int, $1) AS flag",
+        quote_literal(&table.quoted())
+    ))
+    .bind::<Integer, _>(partition.index as i32)
+    .get_result(conn)
+    .await?;
+    Ok(f.flag.unwrap_or(false))
+}
+
+/// The backlog of a table: unpublished rows, the age of the oldest, parked rows.
+#[derive(Debug, Clone, PartialEq, QueryableByName)]
+pub struct Backlog {
+    /// Rows not published yet (parked ones included).
+    #[diesel(sql_type = BigInt)]
+    pub unpublished: i64,
+    /// Seconds since the oldest unpublished row was recorded; 0 when there is none.
+    #[diesel(sql_type = diesel::sql_types::Double)]
+    pub oldest_age_seconds: f64,
+    /// Rows the relay gave up on.
+    #[diesel(sql_type = BigInt)]
+    pub parked: i64,
+}
+
+/// Reads the backlog of `table`.
+pub async fn backlog(conn: &mut AsyncPgConnection, table: &OutboxTable) -> QueryResult<Backlog> {
+    diesel::sql_query(format!(
+        "SELECT count(*) AS unpublished, \
+         COALESCE(EXTRACT(EPOCH FROM now() - min(created_at)), 0)::float8 AS oldest_age_seconds, \
+         count(*) FILTER (WHERE parked_at IS NOT NULL) AS parked \
+         FROM {} WHERE published_at IS NULL",
+        table.quoted()
+    ))
+    .get_result(conn)
+    .await
+}
+
+/// Deletes up to `limit` rows published more than `older_than` ago; returns how many.
+/// Bounded batches keep locks short; call it until it returns less than `limit`.
+pub async fn delete_published(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    older_than: std::time::Duration,
+    limit: i64,
+) -> QueryResult<usize> {
+    let t = table.quoted();
+    diesel::sql_query(format!(
+        "DELETE FROM {t} WHERE seq IN (SELECT seq FROM {t} WHERE published_at IS NOT NULL \
+         AND published_at < now() - make_interval(secs => $1) ORDER BY published_at LIMIT $2 \
+         FOR UPDATE SKIP LOCKED)"
+    ))
+    .bind::<diesel::sql_types::Double, _>(older_than.as_secs_f64())
+    .bind::<BigInt, _>(limit)
+    .execute(conn)
+    .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hash_matches_postgres() {
+        // SELECT ('x' || substr(md5(x), 1, 7))::bit(28)::integer
+        assert_eq!(Partition::hash("a.b c"), 251735073);
+        assert_eq!(Partition::hash("x"), 165498438);
+    }
+}

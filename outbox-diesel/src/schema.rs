@@ -1,0 +1,154 @@
+//! The outbox table: its Diesel definition, its migration and its DDL for other names.
+
+use diesel::pg::PgConnection;
+use diesel::{Connection, RunQueryDsl};
+use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
+
+use crate::OutboxTable;
+
+diesel::table! {
+    /// The default outbox table (`outbox`), for queries written with Diesel's DSL.
+    ///
+    /// ```
+    /// # use diesel::prelude::*;
+    /// use outbox_diesel::schema::outbox;
+    /// # fn count(conn: &mut PgConnection) -> QueryResult<i64> {
+    /// let backlog: i64 = outbox::table
+    ///     .filter(outbox::published_at.is_null())
+    ///     .count()
+    ///     .get_result(conn)?;
+    /// # Ok(backlog) }
+    /// ```
+    outbox (seq) {
+        /// Insertion order: the polling relays publish in this order.
+        seq -> BigInt,
+        /// The message id (UUIDv7): `Nats-Msg-Id`.
+        id -> Uuid,
+        /// The subject token after the prefix (`order`).
+        aggregate_type -> Text,
+        /// The aggregate instance; events of one aggregate keep their commit order.
+        aggregate_id -> Text,
+        /// The event's name (`order.placed`): header `Outbox-Event-Type`.
+        event_type -> Text,
+        /// The message body.
+        payload -> Jsonb,
+        /// Extra NATS headers (a JSON object of strings), e.g. `traceparent`.
+        headers -> Jsonb,
+        /// When the event was recorded (the transaction's start).
+        created_at -> Timestamptz,
+        /// When a polling relay had it acked by JetStream; `NULL` = not yet.
+        published_at -> Nullable<Timestamptz>,
+        /// A stable hash of `aggregate_id` (first 28 bits of its MD5): the partition key.
+        aggregate_hash -> Integer,
+        /// Failed publish attempts.
+        attempts -> Integer,
+        /// The last publish error.
+        last_error -> Nullable<Text>,
+        /// Set when the relay gave up on the row; it then holds back its aggregate.
+        parked_at -> Nullable<Timestamptz>,
+    }
+}
+
+/// The outbox's migrations in Diesel's layout, for `diesel_migrations`.
+///
+/// They create the table `outbox`; for another name use [`create_table_sql`].
+///
+/// ```no_run
+/// use diesel::prelude::*;
+/// use diesel_migrations::MigrationHarness;
+///
+/// let mut conn = PgConnection::establish("postgres://localhost/app")?;
+/// conn.run_pending_migrations(outbox_diesel::MIGRATIONS)?;
+/// # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
+/// ```
+pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
+
+const UP_SQL: &str = include_str!("../migrations/2026-12-01-000000_create_outbox/up.sql");
+
+/// Applies the outbox's pending migrations (creating the table `outbox`).
+///
+/// Returns the versions it applied; none when the table is up to date.
+pub fn run_migrations(
+    conn: &mut PgConnection,
+) -> Result<Vec<String>, Box<dyn std::error::Error + Send + Sync>> {
+    let applied = conn.run_pending_migrations(MIGRATIONS)?;
+    Ok(applied.into_iter().map(|v| v.to_string()).collect())
+}
+
+/// The DDL of an outbox table named `table`: the same table, indexes and settings as the
+/// migration, with `table`'s name.
+///
+/// ```
+/// let sql = outbox_diesel::create_table_sql(&"billing.events".parse()?);
+/// assert!(sql.contains(r#"CREATE TABLE "billing"."events" ("#));
+/// # Ok::<(), outbox_diesel::InvalidTableName>(())
+/// ```
+pub fn create_table_sql(table: &OutboxTable) -> String {
+    let q = table.quoted();
+    let prefix = table.name();
+    UP_SQL
+        .replace("CREATE TABLE outbox (", &format!("CREATE TABLE {q} ("))
+        .replace(" ON outbox (", &format!(" ON {q} ("))
+        .replace("ALTER TABLE outbox SET", &format!("ALTER TABLE {q} SET"))
+        .replace("CONSTRAINT outbox_", &format!("CONSTRAINT {prefix}_"))
+        .replace("CREATE INDEX outbox_", &format!("CREATE INDEX {prefix}_"))
+        .lines()
+        .map(|l| quote_object_names(l, prefix))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn quote_object_names(line: &str, prefix: &str) -> String {
+    for kw in ["CONSTRAINT ", "CREATE INDEX "] {
+        if let Some(start) = line.find(kw) {
+            let rest = &line[start + kw.len()..];
+            if let Some(tail) = rest.strip_prefix(prefix) {
+                let end = tail.find(' ').unwrap_or(tail.len());
+                let ident = format!("{prefix}{}", &tail[..end]);
+                return format!(
+                    "{}{}{}{}",
+                    &line[..start],
+                    kw,
+                    crate::table::quote_ident(&ident),
+                    &tail[end..]
+                );
+            }
+        }
+    }
+    line.to_owned()
+}
+
+/// Creates the outbox table `table` (and its indexes) when it does not exist yet, in one
+/// transaction. For the default name prefer [`MIGRATIONS`], which Diesel tracks.
+pub fn create_table(conn: &mut PgConnection, table: &OutboxTable) -> diesel::QueryResult<()> {
+    let exists: bool = diesel::select(diesel::dsl::sql::<diesel::sql_types::Bool>(&format!(
+        "to_regclass({}) IS NOT NULL",
+        crate::table::quote_literal(&table.quoted())
+    )))
+    .get_result(conn)?;
+    if exists {
+        return Ok(());
+    }
+    conn.transaction(|conn| {
+        diesel::connection::SimpleConnection::batch_execute(conn, &create_table_sql(table))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_ddl_is_the_migration() {
+        assert_eq!(create_table_sql(&OutboxTable::DEFAULT).replace('"', ""), UP_SQL.trim_end());
+    }
+
+    #[test]
+    fn ddl_renames_every_object() {
+        let sql = create_table_sql(&"s.ev".parse().expect("valid"));
+        assert!(!sql.contains(" outbox ("), "{sql}");
+        assert!(!sql.contains("TABLE outbox"), "{sql}");
+        assert!(sql.contains(r#"CREATE INDEX "ev_unpublished" ON "s"."ev" (seq)"#), "{sql}");
+        assert!(sql.contains(r#"CONSTRAINT "ev_aggregate_id_not_empty""#), "{sql}");
+    }
+}
