@@ -31,6 +31,8 @@ pub(crate) struct Container {
     pub rename_all: Option<RenameRule>,
     /// `crate = "path::to::outbox_diesel"`, if given and a valid path.
     pub crate_path: Option<Path>,
+    /// Keys the user wrote or evidently meant, valid or not (see [`Written`]).
+    pub written: Written,
 }
 
 /// Settings of an enum variant.
@@ -45,6 +47,23 @@ pub(crate) struct Variant {
 pub(crate) struct Field {
     /// The `aggregate_id` key, when the field is marked as the aggregate id.
     pub aggregate_id: Option<Path>,
+    /// Keys the user wrote or evidently meant, valid or not (see [`Written`]).
+    pub written: Written,
+}
+
+/// The keys an item's attributes set, including those whose value was rejected and those a
+/// misspelt key most likely meant.
+///
+/// An error has already been reported for those; `valid` consults this to avoid following
+/// it with "missing `aggregate_type`" or "no field is marked as the aggregate id".
+#[derive(Default)]
+pub(crate) struct Written(Vec<&'static str>);
+
+impl Written {
+    /// Whether `key` was written (or meant).
+    pub(crate) fn contains(&self, key: &str) -> bool {
+        self.0.contains(&key)
+    }
 }
 
 /// Where an `#[outbox(...)]` attribute sits; decides which keys are allowed there.
@@ -120,7 +139,7 @@ pub(crate) fn container(cx: &Ctxt, attrs: &[Attribute]) -> Container {
     let mut out = Container::default();
     let mut seen = Seen::default();
     for meta in outbox_metas(cx, attrs, Place::Container) {
-        let Some(key) = key_of(cx, &meta, Place::Container) else {
+        let Some(key) = key_of(cx, &meta, Place::Container, &mut out.written) else {
             continue;
         };
         if !seen.first(cx, &meta, key) {
@@ -161,7 +180,7 @@ pub(crate) fn variant(cx: &Ctxt, attrs: &[Attribute]) -> Variant {
     let mut out = Variant::default();
     let mut seen = Seen::default();
     for meta in outbox_metas(cx, attrs, Place::Variant) {
-        let Some(key) = key_of(cx, &meta, Place::Variant) else {
+        let Some(key) = key_of(cx, &meta, Place::Variant, &mut Written::default()) else {
             continue;
         };
         if seen.first(cx, &meta, key) && key == "event_type" {
@@ -176,7 +195,7 @@ pub(crate) fn field(cx: &Ctxt, attrs: &[Attribute]) -> Field {
     let mut out = Field::default();
     let mut seen = Seen::default();
     for meta in outbox_metas(cx, attrs, Place::Field) {
-        let Some(key) = key_of(cx, &meta, Place::Field) else {
+        let Some(key) = key_of(cx, &meta, Place::Field, &mut out.written) else {
             continue;
         };
         if seen.first(cx, &meta, key) && key == "aggregate_id" {
@@ -207,13 +226,15 @@ fn outbox_metas(cx: &Ctxt, attrs: &[Attribute], place: Place) -> Vec<Meta> {
 }
 
 /// The known key `meta` sets at `place`, or `None` after recording why it is not allowed.
-fn key_of(cx: &Ctxt, meta: &Meta, place: Place) -> Option<&'static str> {
+/// Adds the key to `written`, or for a misspelt key the key it most likely means.
+fn key_of(cx: &Ctxt, meta: &Meta, place: Place, written: &mut Written) -> Option<&'static str> {
     let path = meta.path();
     let name = match path.get_ident() {
         Some(ident) => ident.unraw().to_string(),
         None => path.to_token_stream().to_string().replace(' ', ""),
     };
     if let Some(key) = place.keys().find(|key| *key == name) {
+        written.0.push(key);
         return Some(key);
     }
     if let Some(why) = misplaced(&name, place) {
@@ -233,6 +254,7 @@ fn key_of(cx: &Ctxt, meta: &Meta, place: Place) -> Option<&'static str> {
     };
     let mut msg = format!("unknown outbox attribute `{name}`; expected {list}");
     if let Some(near) = nearest(&name, &expected) {
+        written.0.push(near);
         if expected.len() > 1 {
             msg.push_str(&format!("\nhelp: did you mean `{near}`?"));
         }

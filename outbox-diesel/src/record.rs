@@ -201,6 +201,9 @@ impl Outbox {
             if aggregate_id.is_empty() {
                 return Err(invalid(Reason::EmptyAggregateId));
             }
+            if aggregate_id.contains(['\r', '\n']) {
+                return Err(invalid(Reason::LineBreakInAggregateId));
+            }
             let payload = serde_json::to_string(event).map_err(|e| invalid(Reason::Json(e)))?;
             if payload.len() > self.max_payload {
                 return Err(invalid(Reason::TooLarge { size: payload.len(), limit: self.max_payload }));
@@ -285,6 +288,8 @@ enum Reason {
     TooLarge { size: usize, limit: usize },
     #[error("its aggregate id is empty; every event needs the id of the aggregate it belongs to")]
     EmptyAggregateId,
+    #[error("its aggregate id contains a line break, which cannot travel in the `Outbox-Aggregate-Id` header")]
+    LineBreakInAggregateId,
     #[error("its aggregate type {0:?} cannot be a NATS subject token: it {1}")]
     AggregateType(String, crate::TokenError),
     #[error("its event type must be `.`-separated NATS subject tokens, but a part {0}")]

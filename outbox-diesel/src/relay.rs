@@ -253,7 +253,7 @@ pub async fn unlock_partition(
 }
 
 /// The backlog of a table: unpublished rows, the age of the oldest, parked rows.
-#[derive(Debug, Clone, PartialEq, QueryableByName)]
+#[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize)]
 pub struct Backlog {
     /// Rows not published yet (parked ones included).
     #[diesel(sql_type = BigInt)]
@@ -296,6 +296,44 @@ pub async fn delete_published(
     .bind::<diesel::sql_types::Double, _>(older_than.as_secs_f64())
     .bind::<BigInt, _>(limit)
     .execute(conn)
+    .await
+}
+
+/// A relay session holding a partition's lease.
+#[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize)]
+pub struct PartitionOwner {
+    /// The partition.
+    #[diesel(sql_type = Integer)]
+    pub partition: i32,
+    /// The owner's backend process id (`pg_stat_activity.pid`).
+    #[diesel(sql_type = Integer)]
+    pub pid: i32,
+    /// The owner's `application_name`.
+    #[diesel(sql_type = Nullable<Text>)]
+    pub application_name: Option<String>,
+    /// The owner's address.
+    #[diesel(sql_type = Nullable<Text>)]
+    pub client_addr: Option<String>,
+    /// Seconds since the owner's current state began.
+    #[diesel(sql_type = diesel::sql_types::Double)]
+    pub state_age_seconds: f64,
+}
+
+/// The sessions that hold partition leases of `table`, by partition.
+pub async fn partition_owners(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+) -> QueryResult<Vec<PartitionOwner>> {
+    diesel::sql_query(format!(
+        "SELECT l.objid::int AS partition, l.pid, a.application_name, host(a.client_addr) AS client_addr, \
+         COALESCE(EXTRACT(EPOCH FROM now() - a.state_change), 0)::float8 AS state_age_seconds \
+         FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+         WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 \
+         AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+         AND l.classid = to_regclass({})::oid ORDER BY 1",
+        quote_literal(&table.quoted())
+    ))
+    .load(conn)
     .await
 }
 

@@ -149,6 +149,6 @@ mod tests {
         assert!(!sql.contains(" outbox ("), "{sql}");
         assert!(!sql.contains("TABLE outbox"), "{sql}");
         assert!(sql.contains(r#"CREATE INDEX "ev_unpublished" ON "s"."ev" (seq)"#), "{sql}");
-        assert!(sql.contains(r#"CONSTRAINT "ev_aggregate_id_not_empty""#), "{sql}");
+        assert!(sql.contains(r#"CONSTRAINT "ev_aggregate_id_is_a_header_value""#), "{sql}");
     }
 }

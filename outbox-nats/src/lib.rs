@@ -1,0 +1,30 @@
+//! The relay of the Diesel transactional outbox: it publishes the committed rows of the
+//! outbox table (recorded with `outbox-diesel`) to NATS JetStream.
+//!
+//! - [`Relay`] runs in-process; the `outbox-relay` binary runs the same engine;
+//! - [`publish`] is the publishing contract (subject, headers, body, stream);
+//! - [`subject`] the subject template and the token encoding.
+//!
+//! ```no_run
+//! use outbox_nats::{NatsOptions, Relay, RelayConfig};
+//! use tokio_util::sync::CancellationToken;
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! let nats = NatsOptions::new("nats://127.0.0.1:4222").connect().await?;
+//! let config = RelayConfig::new("postgres://127.0.0.1/app");
+//! let shutdown = CancellationToken::new();
+//! Relay::new(config, nats).run(shutdown).await?;
+//! # Ok(()) }
+//! ```
+
+pub mod admin;
+mod config;
+mod connect;
+pub mod metrics;
+pub mod publish;
+mod relay;
+pub mod subject;
+
+pub use config::{Mode, RelayConfig};
+pub use connect::{ConnectError, NatsOptions, redact_url};
+pub use relay::{Health, Relay, RelayError};

@@ -19,7 +19,7 @@ CREATE TABLE outbox (
         CHECK (aggregate_type <> '' AND aggregate_type !~ '[.*>[:space:][:cntrl:]]'),
     CONSTRAINT outbox_event_type_is_subject_tokens
         CHECK (event_type ~ '^[^.*>[:space:][:cntrl:]]+(\.[^.*>[:space:][:cntrl:]]+)*$'),
-    CONSTRAINT outbox_aggregate_id_not_empty CHECK (aggregate_id <> ''),
+    CONSTRAINT outbox_aggregate_id_is_a_header_value CHECK (aggregate_id <> '' AND aggregate_id !~ '[\r\n]'),
     CONSTRAINT outbox_headers_is_an_object CHECK (jsonb_typeof(headers) = 'object')
 );
 CREATE INDEX outbox_unpublished ON outbox (seq) WHERE published_at IS NULL;

@@ -1,1 +1,370 @@
-fn main(){}
+//! `outbox-relay`: publishes the committed rows of a Diesel outbox table to NATS JetStream.
+//!
+//! `outbox-relay run` relays until SIGTERM/SIGINT (a second signal aborts);
+//! `outbox-relay status` prints the backlog from the database alone.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use diesel_async::{AsyncConnection, AsyncPgConnection};
+use outbox_diesel::OutboxTable;
+use outbox_diesel::relay as db;
+use outbox_nats::subject::SubjectTemplate;
+use outbox_nats::{Mode, NatsOptions, Relay, RelayConfig, redact_url};
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info};
+
+/// Publishes the committed rows of a Diesel outbox table to NATS JetStream.
+#[derive(Debug, Parser)]
+#[command(name = "outbox-relay", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Relay events until SIGTERM or SIGINT.
+    Run(Box<RunArgs>),
+    /// Print the outbox's backlog, its oldest row's age and the partition owners; exits 1
+    /// when the oldest unpublished row is older than --stall-after.
+    Status(StatusArgs),
+}
+
+#[derive(Debug, Args)]
+struct DbArgs {
+    /// PostgreSQL URL of the database holding the outbox.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    database_url: String,
+    /// The outbox table, `table` or `schema.table`.
+    #[arg(long, env = "OUTBOX_TABLE", default_value = "outbox")]
+    table: OutboxTable,
+}
+
+#[derive(Debug, Args)]
+struct RunArgs {
+    #[command(flatten)]
+    db: DbArgs,
+    /// NATS server URL(s), comma-separated.
+    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222", hide_env_values = true)]
+    nats_url: String,
+    /// JetStream stream; created (subjects `{prefix}.>`) when missing.
+    #[arg(long, env = "OUTBOX_STREAM", default_value = "OUTBOX")]
+    stream: String,
+    /// First subject token; the stream captures `{prefix}.>`.
+    #[arg(long, env = "OUTBOX_SUBJECT_PREFIX", default_value = "outbox")]
+    subject_prefix: String,
+    /// Subject of each event, from `{prefix}`, `{aggregate_type}`, `{aggregate_id}`, `{event_type}`.
+    #[arg(long, env = "OUTBOX_SUBJECT_TEMPLATE", default_value = "{prefix}.{aggregate_type}.{aggregate_id}")]
+    subject_template: SubjectTemplate,
+    /// How rows are read.
+    #[arg(long, env = "OUTBOX_MODE", value_enum, default_value_t = CliMode::Ordered)]
+    mode: CliMode,
+    /// Partitions of the table (ordered mode), each published by one relay at a time.
+    #[arg(long, env = "OUTBOX_PARTITIONS", default_value_t = 1)]
+    partitions: u32,
+    /// Rows read per query.
+    #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = 500)]
+    batch_size: usize,
+    /// Unacked publishes in flight at most.
+    #[arg(long, env = "OUTBOX_MAX_IN_FLIGHT", default_value_t = 512)]
+    max_in_flight: usize,
+    /// How often an idle relay polls (`250ms`, `5s`).
+    #[arg(long, env = "OUTBOX_POLL_INTERVAL", default_value = "100ms", value_parser = humantime::parse_duration)]
+    poll_interval: Duration,
+    /// Do not LISTEN for the recording side's NOTIFY; poll only.
+    #[arg(long, env = "OUTBOX_NO_LISTEN")]
+    no_listen: bool,
+    /// Duplicate window of a stream the relay creates (`2m`).
+    #[arg(long, env = "OUTBOX_DUPLICATE_WINDOW", default_value = "2m", value_parser = humantime::parse_duration)]
+    duplicate_window: Duration,
+    /// Failed attempts after which a row JetStream keeps rejecting is parked.
+    #[arg(long, env = "OUTBOX_MAX_ATTEMPTS", default_value_t = 5)]
+    max_attempts: u32,
+    /// How long to retry the first connections before exiting.
+    #[arg(long, env = "OUTBOX_STARTUP_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
+    startup_timeout: Duration,
+    /// Warn when the oldest unpublished row is older than this.
+    #[arg(long, env = "OUTBOX_STALL_AFTER", default_value = "30s", value_parser = humantime::parse_duration)]
+    stall_after: Duration,
+    /// Serve /metrics, /healthz and /readyz on this address (e.g. 127.0.0.1:9187).
+    #[arg(long, env = "OUTBOX_METRICS_ADDR")]
+    metrics_addr: Option<SocketAddr>,
+    /// NATS credentials file (.creds).
+    #[arg(long, env = "NATS_CREDS")]
+    nats_creds: Option<PathBuf>,
+    /// NATS nkey seed.
+    #[arg(long, env = "NATS_NKEY", hide_env_values = true)]
+    nats_nkey: Option<String>,
+    /// NATS user (with --nats-password).
+    #[arg(long, env = "NATS_USER")]
+    nats_user: Option<String>,
+    /// NATS password.
+    #[arg(long, env = "NATS_PASSWORD", hide_env_values = true)]
+    nats_password: Option<String>,
+    /// NATS token.
+    #[arg(long, env = "NATS_TOKEN", hide_env_values = true)]
+    nats_token: Option<String>,
+    /// Require TLS to NATS.
+    #[arg(long, env = "NATS_TLS_REQUIRED")]
+    nats_tls_required: bool,
+    /// CA certificate (PEM) for NATS TLS.
+    #[arg(long, env = "NATS_TLS_CA")]
+    nats_tls_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for NATS TLS.
+    #[arg(long, env = "NATS_TLS_CERT", requires = "nats_tls_key")]
+    nats_tls_cert: Option<PathBuf>,
+    /// Client key (PEM) for NATS TLS.
+    #[arg(long, env = "NATS_TLS_KEY", requires = "nats_tls_cert")]
+    nats_tls_key: Option<PathBuf>,
+    /// Log format.
+    #[arg(long, env = "OUTBOX_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum CliMode {
+    /// Per-partition owners publish in `seq` order: order per aggregate holds.
+    Ordered,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Args)]
+struct StatusArgs {
+    #[command(flatten)]
+    db: DbArgs,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+    /// Exit 1 when the oldest unpublished row is older than this.
+    #[arg(long, env = "OUTBOX_STALL_AFTER", default_value = "30s", value_parser = humantime::parse_duration)]
+    stall_after: Duration,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("outbox-relay: cannot start the async runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match cli.command {
+        Command::Run(args) => runtime.block_on(run(*args)),
+        Command::Status(args) => runtime.block_on(status(args)),
+    }
+}
+
+fn init_tracing(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+async fn run(args: RunArgs) -> ExitCode {
+    init_tracing(args.log_format);
+    let mut config = RelayConfig::new(args.db.database_url.clone())
+        .table(args.db.table.clone())
+        .stream(args.stream.clone())
+        .subject_prefix(args.subject_prefix.clone())
+        .subject_template(args.subject_template.clone())
+        .partitions(args.partitions)
+        .batch_size(args.batch_size)
+        .poll_interval(args.poll_interval)
+        .duplicate_window(args.duplicate_window)
+        .listen(!args.no_listen)
+        .startup_timeout(args.startup_timeout);
+    config.mode = match args.mode {
+        CliMode::Ordered => Mode::Ordered,
+    };
+    config.max_in_flight = args.max_in_flight;
+    config.max_attempts = args.max_attempts;
+    config.stall_after = args.stall_after;
+    if let Err(e) = config.validate() {
+        error!("invalid configuration: {e}");
+        return ExitCode::from(2);
+    }
+    let mut nats = NatsOptions::new(args.nats_url.clone());
+    nats.credentials_file = args.nats_creds.clone();
+    nats.nkey_seed = args.nats_nkey.clone();
+    nats.user = args.nats_user.clone();
+    nats.password = args.nats_password.clone();
+    nats.token = args.nats_token.clone();
+    nats.tls_required = args.nats_tls_required;
+    nats.tls_ca = args.nats_tls_ca.clone();
+    nats.tls_cert = args.nats_tls_cert.clone();
+    nats.tls_key = args.nats_tls_key.clone();
+    info!(
+        database = %redact_url(&args.db.database_url),
+        nats = %redact_url(&args.nats_url),
+        "connecting"
+    );
+    let client = match connect_nats(&nats, args.startup_timeout).await {
+        Ok(c) => c,
+        Err(e) => {
+            error!("{e}");
+            return ExitCode::from(1);
+        }
+    };
+
+    let shutdown = CancellationToken::new();
+    spawn_signal_handler(shutdown.clone());
+    let relay = Relay::new(config, client);
+    let mut admin = None;
+    if let Some(addr) = args.metrics_addr {
+        let handle = match outbox_nats::admin::install_recorder() {
+            Ok(h) => h,
+            Err(e) => {
+                error!("cannot install the metrics recorder: {e}");
+                return ExitCode::from(1);
+            }
+        };
+        let listener = outbox_nats::admin::serve(addr, handle, relay.health(), shutdown.clone());
+        info!(%addr, "serving /metrics, /healthz and /readyz");
+        admin = Some(tokio::spawn(listener));
+    }
+    let result = relay.run(shutdown.clone()).await;
+    shutdown.cancel();
+    if let Some(admin) = admin {
+        match admin.await {
+            Ok(Err(e)) => error!("admin listener failed: {e}"),
+            Err(e) => error!("admin listener failed: {e}"),
+            Ok(Ok(())) => {}
+        }
+    }
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            error!("{e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Connects to NATS, retrying until `timeout` (the server may start after the relay).
+async fn connect_nats(
+    options: &NatsOptions,
+    timeout: Duration,
+) -> Result<async_nats::Client, outbox_nats::ConnectError> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut delay = Duration::from_millis(100);
+    loop {
+        match options.connect().await {
+            Ok(c) => return Ok(c),
+            Err(e) if tokio::time::Instant::now() + delay < deadline => {
+                tracing::warn!("{e}; retrying");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(5));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// The first SIGTERM/SIGINT drains; a second one exits at once.
+fn spawn_signal_handler(shutdown: CancellationToken) {
+    tokio::spawn(async move {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(e) => {
+                error!("cannot install the SIGTERM handler: {e}");
+                return;
+            }
+        };
+        for n in 0..2 {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+            if n == 0 {
+                info!("shutting down: finishing the acks in flight (signal again to abort)");
+                shutdown.cancel();
+            } else {
+                error!("aborted");
+                std::process::exit(130);
+            }
+        }
+    });
+}
+
+#[derive(serde::Serialize)]
+struct Status {
+    table: String,
+    backlog: db::Backlog,
+    stalled: bool,
+    stall_after_seconds: f64,
+    owners: Vec<db::PartitionOwner>,
+}
+
+async fn status(args: StatusArgs) -> ExitCode {
+    let fail = |msg: String| {
+        eprintln!("outbox-relay status: {msg}");
+        ExitCode::from(2)
+    };
+    let mut conn = match AsyncPgConnection::establish(&args.db.database_url).await {
+        Ok(c) => c,
+        Err(e) => {
+            return fail(format!(
+                "cannot connect to {}: {e}; is PostgreSQL running, and is --database-url (DATABASE_URL) right?",
+                redact_url(&args.db.database_url)
+            ));
+        }
+    };
+    let table = &args.db.table;
+    match db::table_exists(&mut conn, table).await {
+        Ok(true) => {}
+        Ok(false) => return fail(format!("the outbox table {table} does not exist; pass --table or apply the migrations")),
+        Err(e) => return fail(format!("{e}")),
+    }
+    let backlog = match db::backlog(&mut conn, table).await {
+        Ok(b) => b,
+        Err(e) => return fail(format!("cannot read {table}: {e}")),
+    };
+    let owners = db::partition_owners(&mut conn, table).await.unwrap_or_default();
+    let stalled = backlog.oldest_age_seconds > args.stall_after.as_secs_f64();
+    let status = Status {
+        table: table.to_string(),
+        backlog,
+        stalled,
+        stall_after_seconds: args.stall_after.as_secs_f64(),
+        owners,
+    };
+    if args.json {
+        match serde_json::to_string_pretty(&status) {
+            Ok(s) => println!("{s}"),
+            Err(e) => return fail(format!("{e}")),
+        }
+    } else {
+        println!("table            {}", status.table);
+        println!("unpublished      {}", status.backlog.unpublished);
+        println!("oldest age       {:.3}s", status.backlog.oldest_age_seconds);
+        println!("parked           {}", status.backlog.parked);
+        println!("stalled          {} (after {:?})", status.stalled, args.stall_after);
+        if status.owners.is_empty() {
+            println!("owners           none: no relay holds a partition");
+        }
+        for o in &status.owners {
+            println!(
+                "partition {:<5}  pid {} {} {}",
+                o.partition,
+                o.pid,
+                o.application_name.as_deref().unwrap_or("-"),
+                o.client_addr.as_deref().unwrap_or("local")
+            );
+        }
+    }
+    if stalled { ExitCode::from(1) } else { ExitCode::SUCCESS }
+}

@@ -1,0 +1,53 @@
+//! The admin listener: `/metrics` (Prometheus), `/healthz` and `/readyz`.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::http::StatusCode;
+use axum::routing::get;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use tokio_util::sync::CancellationToken;
+
+use crate::relay::Health;
+
+/// Installs the Prometheus recorder as the process's `metrics` recorder, with buckets for the
+/// latency and batch histograms.
+pub fn install_recorder() -> Result<PrometheusHandle, metrics_exporter_prometheus::BuildError> {
+    PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            Matcher::Suffix("_seconds".into()),
+            &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0],
+        )?
+        .set_buckets_for_metric(
+            Matcher::Full(crate::metrics::BATCH_ROWS.into()),
+            &[1.0, 10.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 5000.0],
+        )?
+        .install_recorder()
+}
+
+/// Serves `/metrics`, `/healthz` (200 while the process runs) and `/readyz` (200 when the
+/// relay owns work or stands by, with PostgreSQL reachable) on `addr` until `shutdown`.
+pub async fn serve(
+    addr: SocketAddr,
+    handle: PrometheusHandle,
+    health: Arc<Health>,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    let app = Router::new()
+        .route("/metrics", get(move || std::future::ready(handle.render())))
+        .route("/healthz", get(|| std::future::ready("ok")))
+        .route(
+            "/readyz",
+            get(move || {
+                let ready = health.ready();
+                std::future::ready(if ready {
+                    (StatusCode::OK, "ready")
+                } else {
+                    (StatusCode::SERVICE_UNAVAILABLE, "not ready")
+                })
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned()).await
+}

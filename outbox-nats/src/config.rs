@@ -1,0 +1,190 @@
+//! [`RelayConfig`]: what the relay publishes, where, and how fast.
+
+use std::time::Duration;
+
+use outbox_diesel::OutboxTable;
+
+use crate::subject::SubjectTemplate;
+
+/// How the relay reads the outbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Mode {
+    /// Each of `partitions` partitions (by a stable hash of the aggregate id) is published by
+    /// one relay at a time, in `seq` order: events of one aggregate keep their order.
+    #[default]
+    Ordered,
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Mode::Ordered => f.write_str("ordered"),
+        }
+    }
+}
+
+/// Everything the relay needs besides its NATS client.
+///
+/// ```
+/// use std::time::Duration;
+/// use outbox_nats::RelayConfig;
+///
+/// let config = RelayConfig::new("postgres://relay@db/app")
+///     .stream("ORDERS")
+///     .subject_prefix("shop")
+///     .poll_interval(Duration::from_millis(50));
+/// assert_eq!(config.stream, "ORDERS");
+/// ```
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct RelayConfig {
+    /// PostgreSQL connection URL.
+    pub database_url: String,
+    /// The outbox table (default `outbox`).
+    pub table: OutboxTable,
+    /// The JetStream stream (default `OUTBOX`).
+    pub stream: String,
+    /// The first subject token (default `outbox`); the stream captures `{prefix}.>`.
+    pub subject_prefix: String,
+    /// The subject of each event (default `{prefix}.{aggregate_type}.{aggregate_id}`).
+    pub subject_template: SubjectTemplate,
+    /// How rows are read.
+    pub mode: Mode,
+    /// Partitions of the table (ordered mode; default 1).
+    pub partitions: u32,
+    /// Rows read per query (default 500).
+    pub batch_size: usize,
+    /// Unacked publishes in flight at most (default 512).
+    pub max_in_flight: usize,
+    /// How often an idle relay polls (default 100 ms); `NOTIFY` wakes it sooner.
+    pub poll_interval: Duration,
+    /// Whether to `LISTEN` for the recording side's `NOTIFY` (default on).
+    pub listen: bool,
+    /// The duplicate window of a stream the relay creates (default 2 minutes).
+    pub duplicate_window: Duration,
+    /// How often a standby relay tries to take a partition (default 1 s).
+    pub standby_interval: Duration,
+    /// The longest wait between retries after an error (default 10 s).
+    pub max_backoff: Duration,
+    /// Failed attempts after which a row JetStream keeps rejecting is parked (default 5).
+    pub max_attempts: u32,
+    /// How long the relay retries its first connections before giving up (default 30 s).
+    pub startup_timeout: Duration,
+    /// Warn (and set `outbox_stalled`) when the oldest unpublished row is older (default 30 s).
+    pub stall_after: Duration,
+    /// How often the backlog figures are refreshed (default 5 s).
+    pub stats_interval: Duration,
+}
+
+impl RelayConfig {
+    /// The defaults, reading the database at `database_url`.
+    pub fn new(database_url: impl Into<String>) -> Self {
+        RelayConfig {
+            database_url: database_url.into(),
+            table: OutboxTable::DEFAULT,
+            stream: "OUTBOX".into(),
+            subject_prefix: "outbox".into(),
+            subject_template: SubjectTemplate::default(),
+            mode: Mode::Ordered,
+            partitions: 1,
+            batch_size: 500,
+            max_in_flight: 512,
+            poll_interval: Duration::from_millis(100),
+            listen: true,
+            duplicate_window: Duration::from_secs(120),
+            standby_interval: Duration::from_secs(1),
+            max_backoff: Duration::from_secs(10),
+            max_attempts: 5,
+            startup_timeout: Duration::from_secs(30),
+            stall_after: Duration::from_secs(30),
+            stats_interval: Duration::from_secs(5),
+        }
+    }
+
+    /// Sets [`RelayConfig::table`].
+    pub fn table(mut self, table: OutboxTable) -> Self {
+        self.table = table;
+        self
+    }
+
+    /// Sets [`RelayConfig::stream`].
+    pub fn stream(mut self, stream: impl Into<String>) -> Self {
+        self.stream = stream.into();
+        self
+    }
+
+    /// Sets [`RelayConfig::subject_prefix`].
+    pub fn subject_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.subject_prefix = prefix.into();
+        self
+    }
+
+    /// Sets [`RelayConfig::subject_template`].
+    pub fn subject_template(mut self, template: SubjectTemplate) -> Self {
+        self.subject_template = template;
+        self
+    }
+
+    /// Sets [`RelayConfig::partitions`].
+    pub fn partitions(mut self, n: u32) -> Self {
+        self.partitions = n;
+        self
+    }
+
+    /// Sets [`RelayConfig::batch_size`].
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n;
+        self
+    }
+
+    /// Sets [`RelayConfig::poll_interval`].
+    pub fn poll_interval(mut self, d: Duration) -> Self {
+        self.poll_interval = d;
+        self
+    }
+
+    /// Sets [`RelayConfig::duplicate_window`].
+    pub fn duplicate_window(mut self, d: Duration) -> Self {
+        self.duplicate_window = d;
+        self
+    }
+
+    /// Sets [`RelayConfig::listen`].
+    pub fn listen(mut self, on: bool) -> Self {
+        self.listen = on;
+        self
+    }
+
+    /// Sets [`RelayConfig::startup_timeout`].
+    pub fn startup_timeout(mut self, d: Duration) -> Self {
+        self.startup_timeout = d;
+        self
+    }
+
+    /// Checks the values that have rules; the relay calls it before it starts.
+    pub fn validate(&self) -> Result<(), String> {
+        if let Err(e) = outbox_diesel::check_subject_token(&self.subject_prefix) {
+            return Err(format!(
+                "subject prefix {:?} {e}; use a single token such as `outbox`",
+                self.subject_prefix
+            ));
+        }
+        if self.stream.is_empty() || self.stream.contains(['.', '*', '>', ' ', '/', '\\']) {
+            return Err(format!(
+                "stream name {:?} is not a JetStream stream name (no `.`, `*`, `>`, spaces or slashes)",
+                self.stream
+            ));
+        }
+        if self.partitions == 0 || self.partitions > 1024 {
+            return Err(format!("--partitions {} is out of range 1..=1024", self.partitions));
+        }
+        if self.batch_size == 0 || self.max_in_flight == 0 {
+            return Err("--batch-size and the in-flight window must be at least 1".into());
+        }
+        if self.poll_interval.is_zero() {
+            return Err("--poll-interval must be above 0".into());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,150 @@
+//! Connecting to NATS: [`NatsOptions`] gathers the server URL and the credentials.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// How to reach and authenticate to NATS. Secrets are never logged: its `Debug` hides them.
+///
+/// ```no_run
+/// use outbox_nats::NatsOptions;
+/// # async fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// let client = NatsOptions::new("nats://127.0.0.1:4222")
+///     .credentials_file("/etc/nats/relay.creds")
+///     .connect()
+///     .await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Default)]
+#[non_exhaustive]
+pub struct NatsOptions {
+    /// Server URL(s), comma-separated.
+    pub url: String,
+    /// A `.creds` file (JWT + nkey seed).
+    pub credentials_file: Option<PathBuf>,
+    /// An nkey seed.
+    pub nkey_seed: Option<String>,
+    /// User name (with `password`).
+    pub user: Option<String>,
+    /// Password.
+    pub password: Option<String>,
+    /// Token.
+    pub token: Option<String>,
+    /// Require TLS.
+    pub tls_required: bool,
+    /// A CA certificate (PEM) to trust.
+    pub tls_ca: Option<PathBuf>,
+    /// A client certificate (PEM), with `tls_key`.
+    pub tls_cert: Option<PathBuf>,
+    /// The client certificate's key (PEM).
+    pub tls_key: Option<PathBuf>,
+    /// The client's name as the server shows it.
+    pub name: Option<String>,
+}
+
+impl std::fmt::Debug for NatsOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let hidden = |o: &Option<String>| o.as_ref().map(|_| "<hidden>");
+        f.debug_struct("NatsOptions")
+            .field("url", &redact_url(&self.url))
+            .field("credentials_file", &self.credentials_file)
+            .field("nkey_seed", &hidden(&self.nkey_seed))
+            .field("user", &self.user)
+            .field("password", &hidden(&self.password))
+            .field("token", &hidden(&self.token))
+            .field("tls_required", &self.tls_required)
+            .finish_non_exhaustive()
+    }
+}
+
+/// `url` with any password replaced by `***`, for logs.
+///
+/// ```
+/// assert_eq!(outbox_nats::redact_url("postgres://app:s3cret@db/app"), "postgres://app:***@db/app");
+/// assert_eq!(outbox_nats::redact_url("nats://127.0.0.1:4222"), "nats://127.0.0.1:4222");
+/// ```
+pub fn redact_url(url: &str) -> String {
+    url.split(',')
+        .map(|one| {
+            let Some(scheme_end) = one.find("://").map(|i| i + 3) else { return one.to_owned() };
+            let rest = &one[scheme_end..];
+            let Some(at) = rest.rfind('@') else { return one.to_owned() };
+            let userinfo = &rest[..at];
+            let user = userinfo.split(':').next().unwrap_or("");
+            let hidden = if userinfo.contains(':') { format!("{user}:***") } else { "***".into() };
+            format!("{}{}{}", &one[..scheme_end], hidden, &rest[at..])
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// NATS could not be reached or refused the credentials.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConnectError {
+    /// The credentials file could not be read.
+    #[error("cannot read the NATS credentials file {path}: {source}")]
+    CredentialsFile {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The server refused or could not be reached.
+    #[error("cannot connect to NATS at {url}: {source}; is nats-server running (with -js), and are --nats-url (NATS_URL) and the credentials right?")]
+    Connect {
+        /// The URL, without secrets.
+        url: String,
+        /// The error.
+        #[source]
+        source: async_nats::ConnectError,
+    },
+}
+
+impl NatsOptions {
+    /// Options for `url`, without credentials.
+    pub fn new(url: impl Into<String>) -> Self {
+        NatsOptions { url: url.into(), ..Default::default() }
+    }
+
+    /// Authenticates with a `.creds` file.
+    pub fn credentials_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.credentials_file = Some(path.into());
+        self
+    }
+
+    /// Connects. The client notices a dead connection within seconds (short ping interval)
+    /// and reconnects on its own afterwards.
+    pub async fn connect(&self) -> Result<async_nats::Client, ConnectError> {
+        let mut opts = async_nats::ConnectOptions::new()
+            .ping_interval(Duration::from_secs(5))
+            .connection_timeout(Duration::from_secs(5))
+            .name(self.name.clone().unwrap_or_else(|| "outbox-relay".into()));
+        if let Some(path) = &self.credentials_file {
+            opts = opts.credentials_file(path).await.map_err(|source| {
+                ConnectError::CredentialsFile { path: path.clone(), source }
+            })?;
+        }
+        if let Some(seed) = &self.nkey_seed {
+            opts = opts.nkey(seed.clone());
+        }
+        if let (Some(user), Some(password)) = (&self.user, &self.password) {
+            opts = opts.user_and_password(user.clone(), password.clone());
+        }
+        if let Some(token) = &self.token {
+            opts = opts.token(token.clone());
+        }
+        if self.tls_required {
+            opts = opts.require_tls(true);
+        }
+        if let Some(ca) = &self.tls_ca {
+            opts = opts.add_root_certificates(ca.clone());
+        }
+        if let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) {
+            opts = opts.add_client_certificate(cert.clone(), key.clone());
+        }
+        opts.connect(self.url.as_str())
+            .await
+            .map_err(|source| ConnectError::Connect { url: redact_url(&self.url), source })
+    }
+}

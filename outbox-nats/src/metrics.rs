@@ -1,0 +1,44 @@
+//! Metric names. Every metric goes through the `metrics` facade; the binary exports them in
+//! Prometheus format on `--metrics-addr`.
+
+/// Counter: events acked by JetStream.
+pub const EVENTS_PUBLISHED: &str = "outbox_events_published_total";
+/// Counter: acks that JetStream flagged as duplicates (already in the stream).
+pub const DUPLICATES: &str = "outbox_duplicates_total";
+/// Counter: failed publishes, by `kind`.
+pub const PUBLISH_ERRORS: &str = "outbox_publish_errors_total";
+/// Counter: rows parked.
+pub const ROWS_PARKED: &str = "outbox_rows_parked_total";
+/// Histogram: seconds from recording to JetStream's ack.
+pub const COMMIT_TO_ACK: &str = "outbox_commit_to_ack_seconds";
+/// Histogram: rows per batch.
+pub const BATCH_ROWS: &str = "outbox_batch_rows";
+/// Gauge: partitions this relay owns.
+pub const PARTITIONS_OWNED: &str = "outbox_partitions_owned";
+/// Gauge: unpublished rows.
+pub const BACKLOG_ROWS: &str = "outbox_backlog_rows";
+/// Gauge: seconds since the oldest unpublished row was recorded.
+pub const OLDEST_AGE: &str = "outbox_oldest_unpublished_age_seconds";
+/// Gauge: parked rows.
+pub const PARKED_ROWS: &str = "outbox_parked_rows";
+/// Gauge: 1 when the oldest unpublished row is older than `--stall-after`.
+pub const STALLED: &str = "outbox_stalled";
+/// Gauge: 1 when the oldest unpublished row is older than the stream's duplicate window.
+pub const BEYOND_DUPLICATE_WINDOW: &str = "outbox_backlog_beyond_duplicate_window";
+
+/// Registers the descriptions of every metric.
+pub fn describe() {
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    describe_counter!(EVENTS_PUBLISHED, Unit::Count, "Events acked by JetStream");
+    describe_counter!(DUPLICATES, Unit::Count, "Acks flagged duplicate by JetStream");
+    describe_counter!(PUBLISH_ERRORS, Unit::Count, "Failed publishes by kind");
+    describe_counter!(ROWS_PARKED, Unit::Count, "Rows parked after failing for good");
+    describe_histogram!(COMMIT_TO_ACK, Unit::Seconds, "Time from recording to JetStream's ack");
+    describe_histogram!(BATCH_ROWS, Unit::Count, "Rows per batch");
+    describe_gauge!(PARTITIONS_OWNED, Unit::Count, "Partitions owned by this relay");
+    describe_gauge!(BACKLOG_ROWS, Unit::Count, "Unpublished rows");
+    describe_gauge!(OLDEST_AGE, Unit::Seconds, "Age of the oldest unpublished row");
+    describe_gauge!(PARKED_ROWS, Unit::Count, "Parked rows");
+    describe_gauge!(STALLED, "1 when the oldest unpublished row is older than --stall-after");
+    describe_gauge!(BEYOND_DUPLICATE_WINDOW, "1 when the backlog is older than the duplicate window");
+}
