@@ -1,0 +1,402 @@
+//! The end-to-end slice against the machine's PostgreSQL and NATS: record in the caller's
+//! transaction, relay, and read the stream back.
+
+mod support;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use diesel::prelude::*;
+use outbox_diesel::{AsyncOutboxExt, Outbox, OutboxEvent, OutboxExt, OutboxTable};
+use outbox_nats::{Relay, RelayConfig};
+use serde::Serialize;
+use support::{TestDb, TestStream, wait_until};
+use tokio_util::sync::CancellationToken;
+
+#[derive(Debug, Clone, Serialize, OutboxEvent)]
+#[outbox(aggregate_type = "order", event_type = "order.placed")]
+struct OrderPlaced {
+    #[outbox(aggregate_id)]
+    order_id: String,
+    n: i64,
+}
+
+diesel::table! {
+    orders (id) {
+        id -> Text,
+        total -> BigInt,
+    }
+}
+
+fn create_orders(db: &TestDb) {
+    diesel::sql_query("CREATE TABLE orders (id text PRIMARY KEY, total bigint NOT NULL)")
+        .execute(&mut db.conn())
+        .expect("create orders");
+}
+
+/// Runs a relay in this process until the returned guard is dropped.
+struct InProcessRelay {
+    shutdown: CancellationToken,
+    task: Option<tokio::task::JoinHandle<Result<(), outbox_nats::RelayError>>>,
+}
+
+impl InProcessRelay {
+    async fn start(config: RelayConfig, stream: &TestStream) -> Self {
+        let nats = async_nats::connect(&stream.nats_url).await.expect("connect to NATS");
+        let shutdown = CancellationToken::new();
+        let relay = Relay::new(config, nats);
+        let task = tokio::spawn(relay.run(shutdown.clone()));
+        InProcessRelay { shutdown, task: Some(task) }
+    }
+
+    async fn stop(mut self) {
+        self.shutdown.cancel();
+        if let Some(t) = self.task.take() {
+            tokio::time::timeout(Duration::from_secs(10), t)
+                .await
+                .expect("relay stops within 10 s")
+                .expect("relay task")
+                .expect("relay result");
+        }
+    }
+}
+
+impl Drop for InProcessRelay {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+fn config(db: &TestDb, stream: &TestStream) -> RelayConfig {
+    RelayConfig::new(db.url.clone())
+        .stream(stream.name.clone())
+        .subject_prefix(stream.prefix.clone())
+        .poll_interval(Duration::from_millis(20))
+        .startup_timeout(Duration::from_secs(10))
+}
+
+async fn wait_published(db: &TestDb, n: i64) {
+    wait_until(Duration::from_secs(120), &format!("{n} rows published"), || async {
+        db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL") >= n
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn committed_transaction_publishes_one_message_per_event_with_the_contract() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    create_orders(&db);
+    let mut conn = db.conn();
+    let events = vec![
+        OrderPlaced { order_id: "o-1".into(), n: 1 },
+        OrderPlaced { order_id: "o-2".into(), n: 2 },
+    ];
+    let ids = conn
+        .transaction(|conn| {
+            diesel::insert_into(orders::table)
+                .values((orders::id.eq("o-1"), orders::total.eq(10)))
+                .execute(conn)?;
+            conn.record_events(&events)
+        })
+        .expect("commit");
+    assert_eq!(ids.len(), 2);
+    assert!(ids.iter().all(|id| id.get_version_num() == 7), "ids are UUIDv7");
+
+    let relay = InProcessRelay::start(config(&db, &stream), &stream).await;
+    wait_published(&db, 2).await;
+    relay.stop().await;
+
+    let got = stream.read_all().await;
+    assert_eq!(got.len(), 2);
+    for (msg, (event, id)) in got.iter().zip(events.iter().zip(&ids)) {
+        assert_eq!(msg.msg_id, id.to_string(), "Nats-Msg-Id is the row id");
+        assert_eq!(msg.subject, format!("{}.order.{}", stream.prefix, event.order_id));
+        assert_eq!(msg.aggregate_type, "order");
+        assert_eq!(msg.aggregate_id, event.order_id);
+        assert_eq!(msg.event_type, "order.placed");
+        assert_eq!(msg.payload, serde_json::to_value(event).expect("json"));
+        let h = |k: &str| msg.headers.get(k).map(|v| v.as_str().to_owned());
+        assert_eq!(h("Content-Type").as_deref(), Some("application/json"));
+        let created = h("Outbox-Created-At").expect("Outbox-Created-At");
+        chrono::DateTime::parse_from_rfc3339(&created).expect("RFC 3339");
+    }
+    assert_eq!(db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL"), 0);
+}
+
+#[tokio::test]
+async fn rolled_back_transaction_publishes_nothing() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    create_orders(&db);
+    let mut conn = db.conn();
+    let result: Result<(), diesel::result::Error> = conn.transaction(|conn| {
+        diesel::insert_into(orders::table)
+            .values((orders::id.eq("o-1"), orders::total.eq(10)))
+            .execute(conn)?;
+        conn.record_event(&OrderPlaced { order_id: "o-1".into(), n: 1 })?;
+        Err(diesel::result::Error::RollbackTransaction)
+    });
+    assert!(result.is_err());
+    // and one that fails on a constraint after recording
+    let result: Result<(), diesel::result::Error> = conn.transaction(|conn| {
+        conn.record_event(&OrderPlaced { order_id: "o-2".into(), n: 2 })?;
+        diesel::sql_query("INSERT INTO orders VALUES ('x', 1), ('x', 2)").execute(conn)?;
+        Ok(())
+    });
+    assert!(result.is_err(), "duplicate key rolls back");
+    // a committed one after them, so we know when the relay has caught up
+    conn.transaction(|conn| conn.record_event(&OrderPlaced { order_id: "o-3".into(), n: 3 }))
+        .expect("commit");
+    assert_eq!(db.scalar("SELECT count(*) FROM outbox"), 1);
+    assert_eq!(db.scalar("SELECT count(*) FROM orders"), 0);
+
+    let relay = InProcessRelay::start(config(&db, &stream), &stream).await;
+    wait_published(&db, 1).await;
+    relay.stop().await;
+    let got = stream.read_all().await;
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].aggregate_id, "o-3");
+}
+
+#[tokio::test]
+async fn recording_outside_a_transaction_is_refused_and_writes_nothing() {
+    let db = TestDb::new();
+    let mut conn = db.conn();
+    let err = conn.record_event(&OrderPlaced { order_id: "o".into(), n: 1 }).expect_err("refused");
+    assert!(matches!(err, diesel::result::Error::NotInTransaction), "{err:?}");
+    let err = conn
+        .record_events(&[OrderPlaced { order_id: "o".into(), n: 1 }])
+        .expect_err("refused");
+    assert!(matches!(err, diesel::result::Error::NotInTransaction), "{err:?}");
+    let mut aconn = db.async_conn().await;
+    let err = aconn.record_event(&OrderPlaced { order_id: "o".into(), n: 1 }).await.expect_err("refused");
+    assert!(matches!(err, diesel::result::Error::NotInTransaction), "{err:?}");
+    assert_eq!(db.scalar("SELECT count(*) FROM outbox"), 0);
+}
+
+#[derive(Serialize, OutboxEvent)]
+#[outbox(aggregate_type = "blob", event_type = "blob.stored")]
+struct BlobStored {
+    #[outbox(aggregate_id)]
+    id: u32,
+    data: String,
+}
+
+#[tokio::test]
+async fn oversized_payloads_are_refused_at_record_time() {
+    let db = TestDb::new();
+    let mut conn = db.conn();
+    let big = BlobStored { id: 1, data: "x".repeat(1024 * 1024) };
+    let err = conn.transaction(|conn| conn.record_event(&big)).expect_err("refused");
+    let diesel::result::Error::SerializationError(inner) = &err else { panic!("{err:?}") };
+    let invalid = inner.downcast_ref::<outbox_diesel::InvalidEvent>().expect("InvalidEvent");
+    assert!(invalid.is_too_large());
+    assert!(err.to_string().contains("over the outbox's limit"), "{err}");
+
+    // a smaller limit of its own
+    let small = Outbox::default().max_payload(100);
+    let err = conn
+        .transaction(|conn| conn.record_event_with(&small, &BlobStored { id: 2, data: "y".repeat(200) }))
+        .expect_err("refused");
+    assert!(matches!(err, diesel::result::Error::SerializationError(_)));
+    // a batch with one oversized event writes none of them
+    let batch = [BlobStored { id: 3, data: "ok".into() }, BlobStored { id: 4, data: "z".repeat(300) }];
+    conn.transaction(|conn| conn.record_events_with(&small, &batch)).expect_err("refused");
+    assert_eq!(db.scalar("SELECT count(*) FROM outbox"), 0);
+}
+
+#[tokio::test]
+async fn a_row_published_twice_is_one_message_in_the_stream() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let mut conn = db.conn();
+    conn.transaction(|conn| {
+        conn.record_events(&[
+            OrderPlaced { order_id: "a".into(), n: 1 },
+            OrderPlaced { order_id: "b".into(), n: 2 },
+        ])
+    })
+    .expect("commit");
+    let relay = InProcessRelay::start(config(&db, &stream), &stream).await;
+    wait_published(&db, 2).await;
+    // the relay died between publish and mark: the rows look unpublished again
+    diesel::sql_query("UPDATE outbox SET published_at = NULL").execute(&mut conn).expect("reset");
+    wait_published(&db, 2).await;
+    relay.stop().await;
+    assert_eq!(stream.count().await, 2, "JetStream dropped the re-published rows by Nats-Msg-Id");
+}
+
+#[tokio::test]
+async fn hostile_aggregate_ids_make_valid_subjects_that_round_trip() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let ids = ["a.b", "*", ">", "two words", "tab\there", "Zürich", "日本.>", "%2E", "a..b"];
+    let mut conn = db.conn();
+    conn.transaction(|conn| {
+        for (n, id) in ids.iter().enumerate() {
+            conn.record_event(&OrderPlaced { order_id: (*id).into(), n: n as i64 })?;
+        }
+        Ok::<_, diesel::result::Error>(())
+    })
+    .expect("commit");
+    let relay = InProcessRelay::start(config(&db, &stream), &stream).await;
+    wait_published(&db, ids.len() as i64).await;
+    relay.stop().await;
+    let got = stream.read_all().await;
+    assert_eq!(got.len(), ids.len());
+    let template = outbox_nats::subject::SubjectTemplate::default();
+    for (msg, id) in got.iter().zip(ids) {
+        let tokens: Vec<&str> = msg.subject.split('.').collect();
+        assert_eq!(tokens.len(), 3, "{}", msg.subject);
+        assert!(tokens.iter().all(|t| !t.is_empty() && *t != "*" && *t != ">"), "{}", msg.subject);
+        assert!(msg.subject.chars().all(|c| c.is_ascii_graphic()), "{}", msg.subject);
+        assert_eq!(template.aggregate_id_of(&msg.subject).as_deref(), Some(id));
+        assert_eq!(msg.aggregate_id, id, "the header carries the raw id");
+    }
+}
+
+#[tokio::test]
+async fn a_row_inserted_by_plain_sql_is_relayed_like_any_other() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    diesel::sql_query(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         VALUES ('0190f5f0-0000-7000-8000-000000000001', 'invoice', 'inv-9', 'invoice.sent', '{\"to\": \"x@y\"}')",
+    )
+    .execute(&mut db.conn())
+    .expect("plain insert");
+    let relay = InProcessRelay::start(config(&db, &stream), &stream).await;
+    wait_published(&db, 1).await;
+    relay.stop().await;
+    let got = stream.read_all().await;
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].msg_id, "0190f5f0-0000-7000-8000-000000000001");
+    assert_eq!(got[0].subject, format!("{}.invoice.inv-9", stream.prefix));
+    assert_eq!(got[0].payload, serde_json::json!({"to": "x@y"}));
+}
+
+#[tokio::test]
+async fn a_schema_qualified_table_of_another_name_works_end_to_end() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let table: OutboxTable = "billing.events".parse().expect("name");
+    let mut conn = db.conn();
+    diesel::sql_query("CREATE SCHEMA billing").execute(&mut conn).expect("schema");
+    outbox_diesel::create_table(&mut conn, &table).expect("create table");
+    outbox_diesel::create_table(&mut conn, &table).expect("create table is idempotent");
+    let billing = Outbox::new(table.clone());
+    conn.transaction(|conn| conn.record_event_with(&billing, &OrderPlaced { order_id: "b-1".into(), n: 1 }))
+        .expect("commit");
+    assert_eq!(db.scalar("SELECT count(*) FROM outbox"), 0);
+    let relay = InProcessRelay::start(config(&db, &stream).table(table), &stream).await;
+    wait_until(Duration::from_secs(30), "published", || async {
+        db.scalar("SELECT count(*) FROM billing.events WHERE published_at IS NOT NULL") == 1
+    })
+    .await;
+    relay.stop().await;
+    assert_eq!(stream.count().await, 1);
+}
+
+#[tokio::test]
+async fn async_and_pooled_connections_record_in_their_transaction() {
+    use diesel_async::AsyncConnection;
+    use diesel_async::pooled_connection::AsyncDieselConnectionManager;
+    use diesel_async::pooled_connection::deadpool::Pool;
+
+    let db = TestDb::new();
+    let mut conn = db.async_conn().await;
+    conn.transaction(async |conn| {
+        conn.record_event(&OrderPlaced { order_id: "async-1".into(), n: 1 }).await?;
+        Ok::<_, diesel::result::Error>(())
+    })
+    .await
+    .expect("commit");
+    let rolled_back: Result<(), diesel::result::Error> = conn
+        .transaction(async |conn| {
+            conn.record_event(&OrderPlaced { order_id: "async-2".into(), n: 2 }).await?;
+            Err(diesel::result::Error::RollbackTransaction)
+        })
+        .await;
+    assert!(rolled_back.is_err());
+
+    let pool = Pool::builder(AsyncDieselConnectionManager::<diesel_async::AsyncPgConnection>::new(&db.url))
+        .build()
+        .expect("pool");
+    let mut pooled = pool.get().await.expect("pooled connection");
+    pooled
+        .transaction(async |conn| {
+            conn.record_events(&[OrderPlaced { order_id: "pooled-1".into(), n: 3 }]).await?;
+            Ok::<_, diesel::result::Error>(())
+        })
+        .await
+        .expect("commit");
+
+    let r2d2 = diesel::r2d2::Pool::builder()
+        .max_size(1)
+        .build(diesel::r2d2::ConnectionManager::<PgConnection>::new(&db.url))
+        .expect("r2d2 pool");
+    let mut c = r2d2.get().expect("r2d2 connection");
+    c.transaction(|conn| conn.record_event(&OrderPlaced { order_id: "r2d2-1".into(), n: 4 }))
+        .expect("commit");
+    assert!(matches!(
+        c.record_event(&OrderPlaced { order_id: "r2d2-2".into(), n: 5 }),
+        Err(diesel::result::Error::NotInTransaction)
+    ));
+
+    let mut ids: Vec<String> = {
+        use outbox_diesel::schema::outbox::dsl::*;
+        outbox.select(aggregate_id).order(seq).load(&mut db.conn()).expect("load")
+    };
+    ids.sort();
+    assert_eq!(ids, ["async-1", "pooled-1", "r2d2-1"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ten_thousand_events_from_eight_writers_arrive_complete_and_in_order_per_aggregate() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    const WRITERS: usize = 8;
+    const PER_WRITER: usize = 1250;
+    const AGGREGATES: usize = 200;
+    let relay = InProcessRelay::start(config(&db, &stream), &stream).await;
+    let mut writers = Vec::new();
+    for w in 0..WRITERS {
+        let url = db.url.clone();
+        writers.push(std::thread::spawn(move || {
+            let mut conn = PgConnection::establish(&url).expect("connect");
+            for i in 0..PER_WRITER {
+                let n = (w * PER_WRITER + i) as i64;
+                let agg = format!("agg-{}", (n as usize * 7919) % AGGREGATES);
+                conn.transaction(|conn| {
+                    // the documented rule: serialise an aggregate's writers by locking it first
+                    diesel::sql_query("SELECT pg_advisory_xact_lock(hashtext($1))")
+                        .bind::<diesel::sql_types::Text, _>(&agg)
+                        .execute(conn)?;
+                    conn.record_event(&OrderPlaced { order_id: agg.clone(), n })
+                })
+                .expect("commit");
+            }
+        }));
+    }
+    for w in writers {
+        w.join().expect("writer");
+    }
+    let total = (WRITERS * PER_WRITER) as i64;
+    wait_published(&db, total).await;
+    relay.stop().await;
+
+    let got = stream.read_all().await;
+    assert_eq!(got.len() as i64, total, "every event once");
+    // commit order per aggregate = seq order (writers of one aggregate were serialised)
+    let mut conn = db.conn();
+    let rows: Vec<(i64, uuid::Uuid, String)> = {
+        use outbox_diesel::schema::outbox::dsl::*;
+        outbox.select((seq, id, aggregate_id)).order(seq).load(&mut conn).expect("rows")
+    };
+    let mut expected: HashMap<String, Vec<String>> = HashMap::new();
+    for (_, id, agg) in &rows {
+        expected.entry(agg.clone()).or_default().push(id.to_string());
+    }
+    let mut seen: HashMap<String, Vec<String>> = HashMap::new();
+    for m in &got {
+        seen.entry(m.aggregate_id.clone()).or_default().push(m.msg_id.clone());
+    }
+    assert_eq!(seen.len(), AGGREGATES);
+    for (agg, ids) in &expected {
+        assert_eq!(seen.get(agg), Some(ids), "order of aggregate {agg}");
+    }
+}

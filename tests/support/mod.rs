@@ -1,0 +1,303 @@
+//! Test support: a database and a stream per test, private servers, process guards.
+//!
+//! Every test gets its own database (`outbox_t_<uuid>`, dropped after) and its own stream and
+//! subject prefix (deleted after), so tests run in parallel without seeing each other.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+use diesel::prelude::*;
+use futures_util::StreamExt;
+
+pub mod servers;
+
+/// The PostgreSQL server the tests use: `OUTBOX_TEST_PG` or the machine's on 127.0.0.1:5432.
+pub fn pg_base() -> String {
+    std::env::var("OUTBOX_TEST_PG").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into())
+}
+
+/// The NATS server the tests use: `OUTBOX_TEST_NATS` or the machine's on 127.0.0.1:4222.
+pub fn nats_url() -> String {
+    std::env::var("OUTBOX_TEST_NATS").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
+fn unique(prefix: &str) -> String {
+    format!("{prefix}{}", uuid::Uuid::now_v7().simple())
+}
+
+/// A database of its own, with the outbox migrated in; dropped on `Drop`.
+pub struct TestDb {
+    pub name: String,
+    pub url: String,
+    admin_url: String,
+}
+
+impl TestDb {
+    pub fn new() -> Self {
+        Self::on(&pg_base())
+    }
+
+    /// A database on the server at `base` (`postgres://user@host:port`).
+    pub fn on(base: &str) -> Self {
+        let name = unique("outbox_t_");
+        let admin_url = format!("{base}/postgres");
+        let mut admin = PgConnection::establish(&admin_url)
+            .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {admin_url}: {e}"));
+        diesel::sql_query(format!("CREATE DATABASE {name}"))
+            .execute(&mut admin)
+            .expect("create the test database");
+        let url = format!("{base}/{name}");
+        let db = TestDb { name, url, admin_url };
+        let mut conn = db.conn();
+        outbox_diesel::run_migrations(&mut conn).expect("migrate the outbox");
+        db
+    }
+
+    pub fn conn(&self) -> PgConnection {
+        PgConnection::establish(&self.url).expect("connect to the test database")
+    }
+
+    pub async fn async_conn(&self) -> diesel_async::AsyncPgConnection {
+        use diesel_async::AsyncConnection;
+        diesel_async::AsyncPgConnection::establish(&self.url).await.expect("connect (async)")
+    }
+
+    /// Runs `sql` and returns the first column of the first row as i64.
+    pub fn scalar(&self, sql: &str) -> i64 {
+        #[derive(QueryableByName)]
+        struct V {
+            #[diesel(sql_type = diesel::sql_types::BigInt)]
+            v: i64,
+        }
+        let r: V = diesel::sql_query(format!("SELECT ({sql})::bigint AS v"))
+            .get_result(&mut self.conn())
+            .expect(sql);
+        r.v
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        if let Ok(mut admin) = PgConnection::establish(&self.admin_url) {
+            let _ = diesel::sql_query(format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name))
+                .execute(&mut admin);
+        }
+    }
+}
+
+/// A stream name and subject prefix of its own; the stream is deleted on `Drop`.
+pub struct TestStream {
+    pub name: String,
+    pub prefix: String,
+    pub nats_url: String,
+}
+
+impl TestStream {
+    pub fn new() -> Self {
+        Self::on(&nats_url())
+    }
+
+    pub fn on(url: &str) -> Self {
+        let id = uuid::Uuid::now_v7().simple().to_string();
+        TestStream { name: format!("T_{id}"), prefix: format!("t{id}"), nats_url: url.to_owned() }
+    }
+
+    pub async fn js(&self) -> jetstream::Context {
+        let client = async_nats::connect(&self.nats_url).await.expect("connect to NATS");
+        jetstream::new(client)
+    }
+
+    /// Every message in the stream, in stream order.
+    pub async fn read_all(&self) -> Vec<Received> {
+        read_stream(&self.js().await, &self.name).await
+    }
+
+    /// Messages in the stream (0 when it does not exist).
+    pub async fn count(&self) -> u64 {
+        let js = self.js().await;
+        match js.get_stream(&self.name).await {
+            Ok(mut s) => s.info().await.map(|i| i.state.messages).unwrap_or(0),
+            Err(_) => 0,
+        }
+    }
+}
+
+impl Drop for TestStream {
+    fn drop(&mut self) {
+        let (url, name) = (self.nats_url.clone(), self.name.clone());
+        // Drop may run inside a runtime: delete from a thread of its own
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build();
+            if let Ok(rt) = rt {
+                rt.block_on(async {
+                    let delete = async {
+                        if let Ok(c) = async_nats::connect(&url).await {
+                            let _ = jetstream::new(c).delete_stream(&name).await;
+                        }
+                    };
+                    let _ = tokio::time::timeout(Duration::from_secs(5), delete).await;
+                });
+            }
+        })
+        .join();
+    }
+}
+
+/// A message read back from a stream.
+#[derive(Debug, Clone)]
+pub struct Received {
+    pub stream_seq: u64,
+    pub subject: String,
+    pub msg_id: String,
+    pub aggregate_type: String,
+    pub aggregate_id: String,
+    pub event_type: String,
+    pub headers: async_nats::HeaderMap,
+    pub payload: serde_json::Value,
+}
+
+pub async fn read_stream(js: &jetstream::Context, stream: &str) -> Vec<Received> {
+    let Ok(mut s) = js.get_stream(stream).await else { return Vec::new() };
+    let total = s.info().await.expect("stream info").state.messages;
+    if total == 0 {
+        return Vec::new();
+    }
+    let consumer = s
+        .create_consumer(jetstream::consumer::pull::OrderedConfig::default())
+        .await
+        .expect("ordered consumer");
+    let mut messages = consumer.messages().await.expect("consume");
+    let mut out = Vec::with_capacity(total as usize);
+    while (out.len() as u64) < total {
+        let next = tokio::time::timeout(Duration::from_secs(10), messages.next())
+            .await
+            .expect("reading the stream timed out")
+            .expect("stream ended")
+            .expect("message");
+        let h = next.headers.clone().unwrap_or_default();
+        let get = |k: &str| h.get(k).map(|v| v.as_str().to_owned()).unwrap_or_default();
+        let info = next.info().expect("jetstream message info");
+        out.push(Received {
+            stream_seq: info.stream_sequence,
+            subject: next.subject.to_string(),
+            msg_id: get("Nats-Msg-Id"),
+            aggregate_type: get("Outbox-Aggregate-Type"),
+            aggregate_id: get("Outbox-Aggregate-Id"),
+            event_type: get("Outbox-Event-Type"),
+            payload: serde_json::from_slice(&next.payload).unwrap_or(serde_json::Value::Null),
+            headers: h.clone(),
+        });
+    }
+    out
+}
+
+/// Polls `f` every 50 ms until it returns true; panics with `what` after `timeout`.
+pub async fn wait_until<F, Fut>(timeout: Duration, what: &str, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = Instant::now();
+    while !f().await {
+        assert!(start.elapsed() < timeout, "timed out after {timeout:?} waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The directory cargo puts binaries in (`target/debug`), found from this test's own path.
+pub fn target_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    // target/debug/deps/<test> -> target/debug
+    exe.parent().and_then(|p| p.parent()).expect("target dir").to_path_buf()
+}
+
+/// The `outbox-relay` binary; `cargo test --workspace` builds it.
+pub fn relay_bin() -> PathBuf {
+    let p = target_dir().join("outbox-relay");
+    assert!(p.exists(), "{} is missing: build it first with `cargo build --workspace --bins --examples`", p.display());
+    p
+}
+
+/// An example binary (`target/debug/examples/NAME`).
+pub fn example_bin(name: &str) -> PathBuf {
+    let p = target_dir().join("examples").join(name);
+    assert!(p.exists(), "{} is missing: build it first with `cargo build --workspace --bins --examples`", p.display());
+    p
+}
+
+/// A child process killed (SIGKILL) and reaped on `Drop`.
+pub struct Proc {
+    pub child: Child,
+    pub name: String,
+}
+
+impl Proc {
+    pub fn spawn(name: &str, cmd: &mut Command) -> Self {
+        let child = cmd
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
+        Proc { child, name: name.to_owned() }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let _ = Command::new("kill").arg(format!("-{sig}")).arg(self.pid().to_string()).status();
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Waits up to `timeout` for it to exit; its exit code, or `None` when it did not.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<i32> {
+        let start = Instant::now();
+        while start.elapsed() < timeout {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status.code().unwrap_or(-1));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// `outbox-relay run` against `db` and `stream`, with fast test timings and extra `args`.
+pub fn relay_command(db: &TestDb, stream: &TestStream, args: &[&str]) -> Command {
+    let mut cmd = Command::new(relay_bin());
+    cmd.arg("run")
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("RUST_LOG", std::env::var("OUTBOX_TEST_LOG").unwrap_or_else(|_| "warn".into()))
+        .env("DATABASE_URL", &db.url)
+        .env("NATS_URL", &stream.nats_url)
+        .args(["--stream", &stream.name, "--subject-prefix", &stream.prefix])
+        .args(["--poll-interval", "50ms", "--startup-timeout", "20s"])
+        .args(args);
+    cmd
+}
+
+/// A free TCP port on 127.0.0.1.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
