@@ -40,6 +40,8 @@ pub(crate) struct Container {
 pub(crate) struct Variant {
     /// `event_type = "order.cancelled"`.
     pub event_type: Option<LitStr>,
+    /// Keys the user wrote or evidently meant, valid or not (see [`Written`]).
+    pub written: Written,
 }
 
 /// Settings of a field.
@@ -51,18 +53,22 @@ pub(crate) struct Field {
     pub written: Written,
 }
 
-/// The keys an item's attributes set, including those whose value was rejected and those a
-/// misspelt key most likely meant.
+/// The keys an item's attributes set, including those whose value was rejected, those a
+/// misspelt key most likely meant, and those put on the wrong item.
 ///
 /// An error has already been reported for those; `valid` consults this to avoid following
 /// it with "missing `aggregate_type`" or "no field is marked as the aggregate id".
 #[derive(Default)]
-pub(crate) struct Written(Vec<&'static str>);
+pub(crate) struct Written {
+    keys: Vec<&'static str>,
+    /// An `#[outbox...]` attribute could not be read, so it may have set any key.
+    unreadable: bool,
+}
 
 impl Written {
-    /// Whether `key` was written (or meant).
+    /// Whether `key` was written (or meant), or may have been.
     pub(crate) fn contains(&self, key: &str) -> bool {
-        self.0.contains(&key)
+        self.unreadable || self.keys.contains(&key)
     }
 }
 
@@ -75,6 +81,7 @@ enum Place {
 }
 
 /// Every key, with where it is allowed and an example of its correct form.
+#[rustfmt::skip]
 const KEYS: &[(&str, Place, &str)] = &[
     ("aggregate_type", Place::Container, "aggregate_type = \"order\""),
     ("event_type", Place::Container, "event_type = \"order.placed\""),
@@ -128,7 +135,9 @@ fn misplaced(key: &str, place: Place) -> Option<&'static str> {
         ("aggregate_type", Place::Field) => {
             Some("`aggregate_type` goes on the struct or enum, not on a field")
         }
-        ("rename_all", Place::Field) => Some("`rename_all` goes on the struct or enum, not on a field"),
+        ("rename_all", Place::Field) => {
+            Some("`rename_all` goes on the struct or enum, not on a field")
+        }
         ("crate", Place::Field) => Some("`crate` goes on the struct or enum, not on a field"),
         _ => None,
     }
@@ -138,7 +147,7 @@ fn misplaced(key: &str, place: Place) -> Option<&'static str> {
 pub(crate) fn container(cx: &Ctxt, attrs: &[Attribute]) -> Container {
     let mut out = Container::default();
     let mut seen = Seen::default();
-    for meta in outbox_metas(cx, attrs, Place::Container) {
+    for meta in outbox_metas(cx, attrs, Place::Container, &mut out.written) {
         let Some(key) = key_of(cx, &meta, Place::Container, &mut out.written) else {
             continue;
         };
@@ -153,7 +162,9 @@ pub(crate) fn container(cx: &Ctxt, attrs: &[Attribute]) -> Container {
                     value,
                 });
             }
-            "rename_all" => out.rename_all = string(cx, &meta, key).and_then(|lit| rename(cx, &lit)),
+            "rename_all" => {
+                out.rename_all = string(cx, &meta, key).and_then(|lit| rename(cx, &lit))
+            }
             "crate" => {
                 out.crate_path = string(cx, &meta, key).and_then(|lit| match lit.parse::<Path>() {
                     Ok(path) => Some(path),
@@ -161,7 +172,7 @@ pub(crate) fn container(cx: &Ctxt, attrs: &[Attribute]) -> Container {
                         cx.error_spanned_by(
                             &lit,
                             format_args!(
-                                "`crate` must be the path of outbox_diesel or of a module that re-exports it, e.g. `crate = \"my_crate::outbox\"`; `{}` is not a path",
+                                "`{}` is not a path; `crate` takes the path of outbox_diesel or of a module that re-exports it, e.g. `crate = \"my_crate::outbox\"`",
                                 lit.value()
                             ),
                         );
@@ -179,8 +190,8 @@ pub(crate) fn container(cx: &Ctxt, attrs: &[Attribute]) -> Container {
 pub(crate) fn variant(cx: &Ctxt, attrs: &[Attribute]) -> Variant {
     let mut out = Variant::default();
     let mut seen = Seen::default();
-    for meta in outbox_metas(cx, attrs, Place::Variant) {
-        let Some(key) = key_of(cx, &meta, Place::Variant, &mut Written::default()) else {
+    for meta in outbox_metas(cx, attrs, Place::Variant, &mut out.written) {
+        let Some(key) = key_of(cx, &meta, Place::Variant, &mut out.written) else {
             continue;
         };
         if seen.first(cx, &meta, key) && key == "event_type" {
@@ -194,7 +205,7 @@ pub(crate) fn variant(cx: &Ctxt, attrs: &[Attribute]) -> Variant {
 pub(crate) fn field(cx: &Ctxt, attrs: &[Attribute]) -> Field {
     let mut out = Field::default();
     let mut seen = Seen::default();
-    for meta in outbox_metas(cx, attrs, Place::Field) {
+    for meta in outbox_metas(cx, attrs, Place::Field, &mut out.written) {
         let Some(key) = key_of(cx, &meta, Place::Field, &mut out.written) else {
             continue;
         };
@@ -205,21 +216,28 @@ pub(crate) fn field(cx: &Ctxt, attrs: &[Attribute]) -> Field {
     out
 }
 
-/// The `key = value` items of every `#[outbox(...)]` among `attrs`, in order.
-fn outbox_metas(cx: &Ctxt, attrs: &[Attribute], place: Place) -> Vec<Meta> {
+/// The `key = value` items of every `#[outbox(...)]` among `attrs`, in order. Marks
+/// `written` as unreadable when an attribute cannot be read.
+fn outbox_metas(cx: &Ctxt, attrs: &[Attribute], place: Place, written: &mut Written) -> Vec<Meta> {
     let mut metas = Vec::new();
     for attr in attrs.iter().filter(|attr| attr.path().is_ident("outbox")) {
         match &attr.meta {
             Meta::List(list) => {
                 match list.parse_args_with(Punctuated::<Meta, Token![,]>::parse_terminated) {
                     Ok(items) => metas.extend(items),
-                    Err(err) => cx.syn_error(err),
+                    Err(err) => {
+                        cx.syn_error(err);
+                        written.unreadable = true;
+                    }
                 }
             }
-            other => cx.error_spanned_by(
-                other,
-                format_args!("expected `#[outbox(...)]`, e.g. `{}`", place.example()),
-            ),
+            other => {
+                cx.error_spanned_by(
+                    other,
+                    format_args!("expected `#[outbox(...)]`, e.g. `{}`", place.example()),
+                );
+                written.unreadable = true;
+            }
         }
     }
     metas
@@ -234,10 +252,13 @@ fn key_of(cx: &Ctxt, meta: &Meta, place: Place, written: &mut Written) -> Option
         None => path.to_token_stream().to_string().replace(' ', ""),
     };
     if let Some(key) = place.keys().find(|key| *key == name) {
-        written.0.push(key);
+        written.keys.push(key);
         return Some(key);
     }
     if let Some(why) = misplaced(&name, place) {
+        if let Some(key) = KEYS.iter().map(|(key, _, _)| *key).find(|key| *key == name) {
+            written.keys.push(key);
+        }
         cx.error_spanned_by(path, why);
         return None;
     }
@@ -254,7 +275,7 @@ fn key_of(cx: &Ctxt, meta: &Meta, place: Place, written: &mut Written) -> Option
     };
     let mut msg = format!("unknown outbox attribute `{name}`; expected {list}");
     if let Some(near) = nearest(&name, &expected) {
-        written.0.push(near);
+        written.keys.push(near);
         if expected.len() > 1 {
             msg.push_str(&format!("\nhelp: did you mean `{near}`?"));
         }
@@ -387,7 +408,11 @@ pub(crate) fn nearest<'a>(input: &str, candidates: &[&'a str]) -> Option<&'a str
             } else {
                 distance(&wanted, &have)
             };
-            (score <= limit).then_some((score, distance(&chars(input), &chars(candidate)), candidate))
+            (score <= limit).then_some((
+                score,
+                distance(&chars(input), &chars(candidate)),
+                candidate,
+            ))
         })
         .min_by_key(|&(score, raw, _)| (score, raw))
         .map(|(_, _, candidate)| candidate)
@@ -428,7 +453,13 @@ mod tests {
 
     #[test]
     fn suggests_close_keys_only() {
-        let keys = ["aggregate_type", "event_type", "rename_all", "crate", "aggregate_id"];
+        let keys = [
+            "aggregate_type",
+            "event_type",
+            "rename_all",
+            "crate",
+            "aggregate_id",
+        ];
         assert_eq!(nearest("agregate_id", &keys), Some("aggregate_id"));
         assert_eq!(nearest("aggregate_typ", &keys), Some("aggregate_type"));
         assert_eq!(nearest("eventtype", &keys), Some("event_type"));
@@ -443,7 +474,10 @@ mod tests {
         assert_eq!(nearest("kebab", &rules), Some("kebab-case"));
         assert_eq!(nearest("Kebab-Case", &rules), Some("kebab-case"));
         assert_eq!(nearest("snakecase", &rules), Some("snake_case"));
-        assert_eq!(nearest("SCREAMING-SNAKE-CASE", &rules), Some("SCREAMING_SNAKE_CASE"));
+        assert_eq!(
+            nearest("SCREAMING-SNAKE-CASE", &rules),
+            Some("SCREAMING_SNAKE_CASE")
+        );
         assert_eq!(nearest("title case", &rules), None);
     }
 }

@@ -8,33 +8,33 @@
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum RenameRule {
     /// `OrderPlaced` → `orderplaced`
-    LowerCase,
+    Lower,
     /// `OrderPlaced` → `ORDERPLACED`
-    UpperCase,
+    Upper,
     /// `OrderPlaced` → `OrderPlaced`
-    PascalCase,
+    Pascal,
     /// `OrderPlaced` → `orderPlaced`
-    CamelCase,
+    Camel,
     /// `OrderPlaced` → `order_placed` (the default)
-    SnakeCase,
+    Snake,
     /// `OrderPlaced` → `ORDER_PLACED`
-    ScreamingSnakeCase,
+    ScreamingSnake,
     /// `OrderPlaced` → `order-placed`
-    KebabCase,
+    Kebab,
     /// `OrderPlaced` → `ORDER-PLACED`
-    ScreamingKebabCase,
+    ScreamingKebab,
 }
 
 /// Every rule with its spelling in `rename_all = "..."`.
 pub(crate) const RULES: &[(&str, RenameRule)] = &[
-    ("lowercase", RenameRule::LowerCase),
-    ("UPPERCASE", RenameRule::UpperCase),
-    ("PascalCase", RenameRule::PascalCase),
-    ("camelCase", RenameRule::CamelCase),
-    ("snake_case", RenameRule::SnakeCase),
-    ("SCREAMING_SNAKE_CASE", RenameRule::ScreamingSnakeCase),
-    ("kebab-case", RenameRule::KebabCase),
-    ("SCREAMING-KEBAB-CASE", RenameRule::ScreamingKebabCase),
+    ("lowercase", RenameRule::Lower),
+    ("UPPERCASE", RenameRule::Upper),
+    ("PascalCase", RenameRule::Pascal),
+    ("camelCase", RenameRule::Camel),
+    ("snake_case", RenameRule::Snake),
+    ("SCREAMING_SNAKE_CASE", RenameRule::ScreamingSnake),
+    ("kebab-case", RenameRule::Kebab),
+    ("SCREAMING-KEBAB-CASE", RenameRule::ScreamingKebab),
 ];
 
 impl RenameRule {
@@ -49,17 +49,17 @@ impl RenameRule {
     /// Applies the rule to a `PascalCase` name.
     pub(crate) fn apply(self, name: &str) -> String {
         match self {
-            RenameRule::PascalCase => name.to_owned(),
-            RenameRule::LowerCase => name.to_ascii_lowercase(),
-            RenameRule::UpperCase => name.to_ascii_uppercase(),
-            RenameRule::CamelCase => {
+            RenameRule::Pascal => name.to_owned(),
+            RenameRule::Lower => name.to_ascii_lowercase(),
+            RenameRule::Upper => name.to_ascii_uppercase(),
+            RenameRule::Camel => {
                 let mut chars = name.chars();
                 match chars.next() {
                     Some(first) => first.to_ascii_lowercase().to_string() + chars.as_str(),
                     None => String::new(),
                 }
             }
-            RenameRule::SnakeCase => {
+            RenameRule::Snake => {
                 let mut snake = String::with_capacity(name.len() + 4);
                 for (i, ch) in name.char_indices() {
                     if i > 0 && ch.is_uppercase() {
@@ -69,11 +69,9 @@ impl RenameRule {
                 }
                 snake
             }
-            RenameRule::ScreamingSnakeCase => RenameRule::SnakeCase.apply(name).to_ascii_uppercase(),
-            RenameRule::KebabCase => RenameRule::SnakeCase.apply(name).replace('_', "-"),
-            RenameRule::ScreamingKebabCase => {
-                RenameRule::ScreamingSnakeCase.apply(name).replace('_', "-")
-            }
+            RenameRule::ScreamingSnake => RenameRule::Snake.apply(name).to_ascii_uppercase(),
+            RenameRule::Kebab => RenameRule::Snake.apply(name).replace('_', "-"),
+            RenameRule::ScreamingKebab => RenameRule::ScreamingSnake.apply(name).replace('_', "-"),
         }
     }
 }
@@ -119,14 +117,14 @@ mod tests {
             ),
         ];
         let rules = [
-            LowerCase,
-            UpperCase,
-            PascalCase,
-            CamelCase,
-            SnakeCase,
-            ScreamingSnakeCase,
-            KebabCase,
-            ScreamingKebabCase,
+            Lower,
+            Upper,
+            Pascal,
+            Camel,
+            Snake,
+            ScreamingSnake,
+            Kebab,
+            ScreamingKebab,
         ];
         for (name, expected) in cases {
             for (rule, expected) in rules.iter().zip(expected) {

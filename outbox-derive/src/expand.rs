@@ -113,7 +113,12 @@ fn predicates(
         .generics
         .type_params()
         .map(|param| param.ident.to_string())
-        .chain(input.generics.const_params().map(|param| param.ident.to_string()))
+        .chain(
+            input
+                .generics
+                .const_params()
+                .map(|param| param.ident.to_string()),
+        )
         .collect();
     if params.is_empty() {
         return predicates;

@@ -5,6 +5,7 @@
 //! [`Checked`] form that code generation works from.
 
 use crate::ast::{Data, Field, Input, Style};
+use crate::attr::Written;
 use crate::case::RenameRule;
 use crate::ctxt::Ctxt;
 use proc_macro2::Span;
@@ -47,7 +48,7 @@ pub(crate) fn default_crate() -> Path {
 /// `cx` collected while parsing attributes).
 pub(crate) fn check<'a>(cx: Ctxt, input: &'a Input<'a>) -> syn::Result<Checked<'a>> {
     let aggregate_type = aggregate_type(&cx, input);
-    let rename = input.attrs.rename_all.unwrap_or(RenameRule::SnakeCase);
+    let rename = input.attrs.rename_all.unwrap_or(RenameRule::Snake);
     let events = match &input.data {
         Data::Union(token) => {
             cx.error_spanned_by(
@@ -60,7 +61,8 @@ pub(crate) fn check<'a>(cx: Ctxt, input: &'a Input<'a>) -> syn::Result<Checked<'
             let owner = Owner::Struct(input.ident);
             let explicit = input.attrs.event_type.as_ref().map(|s| &s.value);
             let event_type = event_type(&cx, explicit, input.ident, rename);
-            let aggregate_id = aggregate_id(&cx, owner, data.style, &data.fields);
+            let owner_written = &input.attrs.written;
+            let aggregate_id = aggregate_id(&cx, owner, owner_written, data.style, &data.fields);
             match (event_type, aggregate_id) {
                 (Some(event_type), Some(aggregate_id)) => Some(Events::Struct(Event {
                     variant: None,
@@ -84,19 +86,29 @@ pub(crate) fn check<'a>(cx: Ctxt, input: &'a Input<'a>) -> syn::Result<Checked<'
                 let event_type = event_type(&cx, explicit, variant.ident, rename);
                 if let Some(name) = &event_type {
                     if let Some((_, first)) = taken.iter().find(|(taken, _)| taken == name) {
-                        let msg = format!(
-                            "event type \"{name}\" is already the event type of variant `{first}`; every variant needs its own"
-                        );
                         match explicit {
-                            Some(lit) => cx.error_spanned_by(lit, msg),
-                            None => cx.error_at(variant.ident.span(), msg),
+                            Some(lit) => cx.error_spanned_by(
+                                lit,
+                                format_args!(
+                                    "event type \"{name}\" is already the event type of variant `{first}`; every variant needs its own"
+                                ),
+                            ),
+                            None => cx.error_at(
+                                variant.ident.span(),
+                                format_args!(
+                                    "event type \"{name}\", made from the name `{}`, is already the event type of variant `{first}`; every variant needs its own\nhelp: give this variant another with `#[outbox(event_type = \"...\")]`",
+                                    variant.ident
+                                ),
+                            ),
                         }
                     } else {
                         taken.push((name.clone(), variant.ident));
                     }
                 }
                 let owner = Owner::Variant(variant.ident);
-                let aggregate_id = aggregate_id(&cx, owner, variant.style, &variant.fields);
+                let owner_written = &variant.attrs.written;
+                let aggregate_id =
+                    aggregate_id(&cx, owner, owner_written, variant.style, &variant.fields);
                 match (event_type, aggregate_id, events.as_mut()) {
                     (Some(event_type), Some(aggregate_id), Some(list)) => list.push(Event {
                         variant: Some(variant.ident),
@@ -191,7 +203,10 @@ fn event_type(
                 Err(why) => {
                     cx.error_spanned_by(
                         lit,
-                        format_args!("invalid event_type \"{}\": {why}\n{HELP}", value.escape_debug()),
+                        format_args!(
+                            "invalid event_type \"{}\": {why}\n{HELP}",
+                            value.escape_debug()
+                        ),
                     );
                     None
                 }
@@ -218,16 +233,23 @@ fn event_type(
 }
 
 /// The one field marked as the aggregate id; records an error when there is none or more.
+/// `owner_written` are the keys on the struct or variant itself, where a misplaced
+/// `aggregate_id` has already been reported.
 fn aggregate_id<'a>(
     cx: &Ctxt,
     owner: Owner<'_>,
+    owner_written: &Written,
     style: Style,
     fields: &'a [Field<'a>],
 ) -> Option<&'a Field<'a>> {
     let mut marked = fields.iter().filter(|field| field.aggregate_id().is_some());
     let Some(first) = marked.next() else {
-        if fields.iter().any(|field| field.attrs.written.contains("aggregate_id")) {
-            // Misspelt or given a value: already reported.
+        if owner_written.contains("aggregate_id")
+            || fields
+                .iter()
+                .any(|field| field.attrs.written.contains("aggregate_id"))
+        {
+            // Misspelt, given a value or put on the struct or variant: already reported.
             return None;
         }
         let msg = if style == Style::Unit {
@@ -292,13 +314,20 @@ impl std::fmt::Display for Invalid {
             Invalid::Empty => f.write_str("it is empty"),
             Invalid::LeadingDot => f.write_str("it starts with '.', leaving an empty token"),
             Invalid::TrailingDot => f.write_str("it ends with '.', leaving an empty token"),
-            Invalid::EmptyPart => f.write_str("it has '..', leaving an empty token between the dots"),
+            Invalid::EmptyPart => {
+                f.write_str("it has '..', leaving an empty token between the dots")
+            }
             Invalid::Forbidden('.') => {
                 f.write_str("it contains '.', which would split it into two subject tokens")
             }
-            Invalid::Forbidden(c @ ('*' | '>')) => write!(f, "it contains {c:?}, a subject wildcard"),
+            Invalid::Forbidden(c @ ('*' | '>')) => {
+                write!(f, "it contains {c:?}, a subject wildcard")
+            }
             Invalid::Forbidden(c) if c.is_whitespace() => {
-                write!(f, "it contains {c:?}, and white space cannot appear in a subject")
+                write!(
+                    f,
+                    "it contains {c:?}, and white space cannot appear in a subject"
+                )
             }
             Invalid::Forbidden(c) => write!(
                 f,
@@ -355,8 +384,14 @@ mod tests {
         assert_eq!(check_subject_token("or*"), Err(Invalid::Forbidden('*')));
         assert_eq!(check_subject_token(">"), Err(Invalid::Forbidden('>')));
         assert_eq!(check_subject_token("or der"), Err(Invalid::Forbidden(' ')));
-        assert_eq!(check_subject_token("or\u{7}"), Err(Invalid::Forbidden('\u{7}')));
-        assert_eq!(check_subject_token("a\u{a0}b"), Err(Invalid::Forbidden('\u{a0}')));
+        assert_eq!(
+            check_subject_token("or\u{7}"),
+            Err(Invalid::Forbidden('\u{7}'))
+        );
+        assert_eq!(
+            check_subject_token("a\u{a0}b"),
+            Err(Invalid::Forbidden('\u{a0}'))
+        );
     }
 
     #[test]
@@ -370,7 +405,10 @@ mod tests {
         assert_eq!(check_event_type("."), Err(Invalid::LeadingDot));
         assert_eq!(check_event_type("order.*"), Err(Invalid::Forbidden('*')));
         assert_eq!(check_event_type("order.>"), Err(Invalid::Forbidden('>')));
-        assert_eq!(check_event_type("order placed"), Err(Invalid::Forbidden(' ')));
+        assert_eq!(
+            check_event_type("order placed"),
+            Err(Invalid::Forbidden(' '))
+        );
     }
 
     #[test]

@@ -170,7 +170,7 @@ impl Outbox {
         let _span = tracing::debug_span!("outbox.record", outbox.table = %self.table, batch.len = batch.ids.len()).entered();
         batch.execute(conn)?;
         if self.notify_due() {
-            NotifyQuery { channel: &self.channel }.execute(conn)?;
+            NotifyQuery { channel: self.channel() }.execute(conn)?;
         }
         Ok(())
     }

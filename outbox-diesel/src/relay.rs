@@ -7,7 +7,9 @@
 use chrono::{DateTime, Utc};
 use diesel::pg::Pg;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
-use diesel::sql_types::{Array, BigInt, Bool, Integer, Jsonb, Nullable, Text, Timestamptz, Uuid as SqlUuid};
+use diesel::sql_types::{
+    Array, BigInt, Bool, Integer, Jsonb, Nullable, Text, Timestamptz, Uuid as SqlUuid,
+};
 use diesel::{QueryResult, QueryableByName};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use uuid::Uuid;
@@ -70,7 +72,10 @@ impl Partition {
     /// assert_eq!(Partition::of("a.b c", 16).index, 251735073 % 16);
     /// ```
     pub fn of(aggregate_id: &str, count: u32) -> Partition {
-        Partition { index: Partition::hash(aggregate_id) as u32 % count.max(1), count: count.max(1) }
+        Partition {
+            index: Partition::hash(aggregate_id) as u32 % count.max(1),
+            count: count.max(1),
+        }
     }
 
     /// The stable hash of an aggregate id: the first 28 bits of its MD5, as the table's
@@ -82,13 +87,16 @@ impl Partition {
     }
 }
 
-/// `SELECT … FROM outbox WHERE unpublished, not parked, not behind a parked row of its
-/// aggregate [, in the partition] ORDER BY seq LIMIT n`.
+/// `SELECT … FROM outbox WHERE unpublished, not parked [, not behind a parked row of its
+/// aggregate] [, in the partitions] ORDER BY seq LIMIT n [FOR UPDATE SKIP LOCKED]`.
 #[derive(Debug)]
 struct FetchBatch<'a> {
     table: &'a OutboxTable,
-    partition: Partition,
+    partitions: &'a [i32],
+    count: u32,
     limit: i64,
+    /// competing workers: lock the rows, skip rows others locked, ignore aggregates
+    skip_locked: bool,
 }
 
 impl QueryId for FetchBatch<'_> {
@@ -108,21 +116,26 @@ impl QueryFragment<Pg> for FetchBatch<'_> {
         );
         self.table.walk_ast(&mut out)?;
         out.push_sql(" o WHERE o.published_at IS NULL AND o.parked_at IS NULL");
-        if self.partition.count > 1 {
-            // literals, not binds: each partition gets its own cached plan
-            out.push_sql(&format!(
-                " AND o.aggregate_hash % {} = {}",
-                self.partition.count, self.partition.index
-            ));
+        if self.count > 1 {
+            // the count is a literal: each partition count gets its own cached plan
+            out.push_sql(&format!(" AND o.aggregate_hash % {} = ANY(", self.count));
+            out.push_bind_param::<Array<Integer>, _>(self.partitions)?;
+            out.push_sql(")");
         }
-        out.push_sql(" AND NOT EXISTS (SELECT 1 FROM ");
-        self.table.walk_ast(&mut out)?;
-        out.push_sql(
-            " p WHERE p.parked_at IS NOT NULL AND p.published_at IS NULL \
-             AND p.aggregate_type = o.aggregate_type AND p.aggregate_id = o.aggregate_id \
-             AND p.seq < o.seq) ORDER BY o.seq LIMIT ",
-        );
+        if !self.skip_locked {
+            out.push_sql(" AND NOT EXISTS (SELECT 1 FROM ");
+            self.table.walk_ast(&mut out)?;
+            out.push_sql(
+                " p WHERE p.parked_at IS NOT NULL AND p.published_at IS NULL \
+                 AND p.aggregate_type = o.aggregate_type AND p.aggregate_id = o.aggregate_id \
+                 AND p.seq < o.seq)",
+            );
+        }
+        out.push_sql(" ORDER BY o.seq LIMIT ");
         out.push_bind_param::<BigInt, _>(&self.limit)?;
+        if self.skip_locked {
+            out.push_sql(" FOR UPDATE SKIP LOCKED");
+        }
         Ok(())
     }
 }
@@ -137,7 +150,50 @@ pub async fn fetch_unpublished(
     partition: Partition,
     limit: i64,
 ) -> QueryResult<Vec<OutboxRow>> {
-    FetchBatch { table, partition, limit }.load(conn).await
+    let partitions = [partition.index as i32];
+    fetch_partitions(conn, table, &partitions, partition.count, limit).await
+}
+
+/// [`fetch_unpublished`] for several partitions (of `count`) at once: one query, in `seq`
+/// order across them.
+pub async fn fetch_partitions(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    partitions: &[i32],
+    count: u32,
+    limit: i64,
+) -> QueryResult<Vec<OutboxRow>> {
+    if partitions.is_empty() {
+        return Ok(Vec::new());
+    }
+    FetchBatch {
+        table,
+        partitions,
+        count,
+        limit,
+        skip_locked: false,
+    }
+    .load(conn)
+    .await
+}
+
+/// For competing workers, inside a transaction: locks and returns up to `limit` unpublished,
+/// unparked rows, oldest first, skipping rows other workers hold. Order across workers is not
+/// kept.
+pub async fn claim_unpublished(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    limit: i64,
+) -> QueryResult<Vec<OutboxRow>> {
+    FetchBatch {
+        table,
+        partitions: &[],
+        count: 1,
+        limit,
+        skip_locked: true,
+    }
+    .load(conn)
+    .await
 }
 
 #[derive(Debug)]
@@ -334,6 +390,123 @@ pub async fn partition_owners(
         quote_literal(&table.quoted())
     ))
     .load(conn)
+    .await
+}
+
+/// A relay process taking part in the partition balancing of a table.
+#[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize)]
+pub struct Member {
+    /// Its session's backend pid.
+    #[diesel(sql_type = Integer)]
+    pub pid: i32,
+    /// The partition count it runs with.
+    #[diesel(sql_type = Integer)]
+    pub partitions: i32,
+    /// When its session started.
+    #[diesel(sql_type = Timestamptz)]
+    pub backend_start: DateTime<Utc>,
+}
+
+/// Announces this session as a relay of `table` running with `partitions` partitions: a
+/// session advisory lock whose key holds the table, the partition count and the backend pid,
+/// so that [`members`] can count the live relays (and see their partition counts) in
+/// `pg_locks`. It lasts as long as the session.
+pub async fn join_members(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    partitions: u32,
+) -> QueryResult<()> {
+    diesel::sql_query(format!(
+        "SELECT pg_advisory_lock((to_regclass({})::oid::bigint << 32) | ($1::bigint << 22) \
+         | (pg_backend_pid() & 4194303)::bigint)",
+        quote_literal(&table.quoted())
+    ))
+    .bind::<BigInt, _>(partitions as i64)
+    .execute(conn)
+    .await
+    .map(drop)
+}
+
+/// The relays of `table` alive now (see [`join_members`]), oldest session first.
+pub async fn members(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+) -> QueryResult<Vec<Member>> {
+    diesel::sql_query(format!(
+        "SELECT l.pid, (l.objid::bigint >> 22)::int AS partitions, a.backend_start \
+         FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+         WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 \
+         AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+         AND l.classid = to_regclass({})::oid ORDER BY a.backend_start, l.pid",
+        quote_literal(&table.quoted())
+    ))
+    .load(conn)
+    .await
+}
+
+/// A row the relay gave up on.
+#[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize)]
+pub struct ParkedRow {
+    /// Its `seq`.
+    #[diesel(sql_type = BigInt)]
+    pub seq: i64,
+    /// Its message id.
+    #[diesel(sql_type = SqlUuid)]
+    pub id: Uuid,
+    /// Its aggregate's type.
+    #[diesel(sql_type = Text)]
+    pub aggregate_type: String,
+    /// Its aggregate's id.
+    #[diesel(sql_type = Text)]
+    pub aggregate_id: String,
+    /// Its event type.
+    #[diesel(sql_type = Text)]
+    pub event_type: String,
+    /// Failed attempts.
+    #[diesel(sql_type = Integer)]
+    pub attempts: i32,
+    /// The last error.
+    #[diesel(sql_type = Nullable<Text>)]
+    pub last_error: Option<String>,
+    /// When it was parked.
+    #[diesel(sql_type = Timestamptz)]
+    pub parked_at: DateTime<Utc>,
+    /// Unpublished rows of its aggregate held back behind it.
+    #[diesel(sql_type = BigInt)]
+    pub held_back: i64,
+}
+
+/// The parked rows of `table`, oldest first.
+pub async fn parked(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+) -> QueryResult<Vec<ParkedRow>> {
+    let t = table.quoted();
+    diesel::sql_query(format!(
+        "SELECT p.seq, p.id, p.aggregate_type, p.aggregate_id, p.event_type, p.attempts, \
+         p.last_error, p.parked_at, (SELECT count(*) FROM {t} o WHERE o.published_at IS NULL \
+         AND o.parked_at IS NULL AND o.aggregate_type = p.aggregate_type \
+         AND o.aggregate_id = p.aggregate_id AND o.seq > p.seq) AS held_back \
+         FROM {t} p WHERE p.parked_at IS NOT NULL AND p.published_at IS NULL ORDER BY p.seq"
+    ))
+    .load(conn)
+    .await
+}
+
+/// Un-parks the row `seq` (or every parked row when `None`) and resets its attempts, so the
+/// relay publishes it again; returns how many rows it released.
+pub async fn retry_parked(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    seq: Option<i64>,
+) -> QueryResult<usize> {
+    diesel::sql_query(format!(
+        "UPDATE {} SET parked_at = NULL, attempts = 0 WHERE parked_at IS NOT NULL \
+         AND published_at IS NULL AND ($1::bigint IS NULL OR seq = $1)",
+        table.quoted()
+    ))
+    .bind::<Nullable<BigInt>, _>(seq)
+    .execute(conn)
     .await
 }
 

@@ -14,12 +14,16 @@ pub enum Mode {
     /// one relay at a time, in `seq` order: events of one aggregate keep their order.
     #[default]
     Ordered,
+    /// `workers` competing workers claim rows with `FOR UPDATE SKIP LOCKED`: any number of
+    /// relays, no leases, no order per aggregate.
+    Unordered,
 }
 
 impl std::fmt::Display for Mode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Mode::Ordered => f.write_str("ordered"),
+            Mode::Unordered => f.write_str("unordered"),
         }
     }
 }
@@ -53,6 +57,13 @@ pub struct RelayConfig {
     pub mode: Mode,
     /// Partitions of the table (ordered mode; default 1).
     pub partitions: u32,
+    /// Competing workers of this process (unordered mode; default 4).
+    pub workers: u32,
+    /// How long a silent database session keeps its partitions or claimed rows (default
+    /// 15 s): PostgreSQL ends it after that (`idle_session_timeout`), and the relay stops
+    /// publishing after half of it without an answer. A paused relay's work passes to another
+    /// within about this time.
+    pub lease: Duration,
     /// Rows read per query (default 500).
     pub batch_size: usize,
     /// Unacked publishes in flight at most (default 512).
@@ -63,9 +74,11 @@ pub struct RelayConfig {
     pub listen: bool,
     /// The duplicate window of a stream the relay creates (default 2 minutes).
     pub duplicate_window: Duration,
-    /// How often a standby relay tries to take a partition (default 1 s).
+    /// How often a relay balances partitions with its peers, and a standby tries to take one
+    /// (default 1 s).
     pub standby_interval: Duration,
-    /// The longest wait between retries after an error (default 10 s).
+    /// The longest wait between retries after an error (default 5 s; at most a third of the
+    /// lease).
     pub max_backoff: Duration,
     /// Failed attempts after which a row JetStream keeps rejecting is parked (default 5).
     pub max_attempts: u32,
@@ -88,13 +101,15 @@ impl RelayConfig {
             subject_template: SubjectTemplate::default(),
             mode: Mode::Ordered,
             partitions: 1,
+            workers: 4,
+            lease: Duration::from_secs(15),
             batch_size: 500,
             max_in_flight: 512,
             poll_interval: Duration::from_millis(100),
             listen: true,
             duplicate_window: Duration::from_secs(120),
             standby_interval: Duration::from_secs(1),
-            max_backoff: Duration::from_secs(10),
+            max_backoff: Duration::from_secs(5),
             max_attempts: 5,
             startup_timeout: Duration::from_secs(30),
             stall_after: Duration::from_secs(30),
@@ -129,6 +144,30 @@ impl RelayConfig {
     /// Sets [`RelayConfig::partitions`].
     pub fn partitions(mut self, n: u32) -> Self {
         self.partitions = n;
+        self
+    }
+
+    /// Sets [`RelayConfig::mode`].
+    pub fn mode(mut self, mode: Mode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    /// Sets [`RelayConfig::workers`].
+    pub fn workers(mut self, n: u32) -> Self {
+        self.workers = n;
+        self
+    }
+
+    /// Sets [`RelayConfig::lease`].
+    pub fn lease(mut self, d: Duration) -> Self {
+        self.lease = d;
+        self
+    }
+
+    /// Sets [`RelayConfig::max_attempts`].
+    pub fn max_attempts(mut self, n: u32) -> Self {
+        self.max_attempts = n;
         self
     }
 
@@ -177,13 +216,32 @@ impl RelayConfig {
             ));
         }
         if self.partitions == 0 || self.partitions > 1024 {
-            return Err(format!("--partitions {} is out of range 1..=1024", self.partitions));
+            return Err(format!(
+                "--partitions {} is out of range 1..=1024",
+                self.partitions
+            ));
         }
         if self.batch_size == 0 || self.max_in_flight == 0 {
             return Err("--batch-size and the in-flight window must be at least 1".into());
         }
         if self.poll_interval.is_zero() {
             return Err("--poll-interval must be above 0".into());
+        }
+        if self.workers == 0 || self.workers > 256 {
+            return Err(format!(
+                "--workers {} is out of range 1..=256",
+                self.workers
+            ));
+        }
+        let slowest = self
+            .poll_interval
+            .max(self.max_backoff)
+            .max(self.standby_interval);
+        if self.lease < slowest * 3 {
+            return Err(format!(
+                "--lease {:?} must be at least three times the poll interval, the balance interval and the longest backoff ({:?}), or an idle relay would lose its session",
+                self.lease, slowest
+            ));
         }
         Ok(())
     }

@@ -20,10 +20,14 @@
 pub mod admin;
 mod config;
 mod connect;
+mod lease;
 pub mod metrics;
+mod ordered;
+mod pipeline;
 pub mod publish;
 mod relay;
 pub mod subject;
+mod unordered;
 
 pub use config::{Mode, RelayConfig};
 pub use connect::{ConnectError, NatsOptions, redact_url};

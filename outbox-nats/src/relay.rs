@@ -1,23 +1,24 @@
 //! The relay engine: [`Relay::run`] publishes committed outbox rows to JetStream until told to
 //! stop.
 
-use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use async_nats::jetstream::{self, context::PublishErrorKind};
+use async_nats::jetstream;
 use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
 use futures_util::StreamExt;
-use futures_util::stream::FuturesOrdered;
-use outbox_diesel::relay::{self as db, OutboxRow, Partition};
+use outbox_diesel::relay as db;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, error, info, info_span, warn};
 
-use crate::RelayConfig;
 use crate::metrics as m;
-use crate::publish::{StreamInfo, ensure_stream, to_message};
+use crate::ordered::Ordered;
+use crate::pipeline::BatchEnd;
+use crate::publish::{StreamInfo, ensure_stream};
+use crate::unordered::Unordered;
+use crate::{Mode, RelayConfig};
 
 /// Why the relay stopped with an error (it retries everything else).
 #[derive(Debug, thiserror::Error)]
@@ -27,7 +28,9 @@ pub enum RelayError {
     #[error("invalid configuration: {0}")]
     Config(String),
     /// PostgreSQL could not be reached within the start-up timeout.
-    #[error("cannot connect to PostgreSQL within {timeout:?}: {source}; is it running, and is --database-url (DATABASE_URL) right?")]
+    #[error(
+        "cannot connect to PostgreSQL within {timeout:?}: {source}; is it running, and is --database-url (DATABASE_URL) right?"
+    )]
     Database {
         /// How long it tried.
         timeout: Duration,
@@ -36,26 +39,32 @@ pub enum RelayError {
         source: diesel::ConnectionError,
     },
     /// A query failed at start-up.
-    #[error("PostgreSQL refused the relay's query: {0}; does the relay's role have SELECT, UPDATE and DELETE on the outbox table?")]
+    #[error(
+        "PostgreSQL refused the relay's query: {0}; does the relay's role have SELECT, UPDATE and DELETE on the outbox table?"
+    )]
     Query(#[source] diesel::result::Error),
     /// The outbox table is missing.
-    #[error("the outbox table {0} does not exist (or is not visible to this role); apply outbox-diesel's migrations (outbox_diesel::MIGRATIONS) or create it with outbox_diesel::create_table, or pass --table")]
+    #[error(
+        "the outbox table {0} does not exist (or is not visible to this role); apply outbox-diesel's migrations (outbox_diesel::MIGRATIONS) or create it with outbox_diesel::create_table, or pass --table"
+    )]
     TableMissing(String),
     /// The stream could not be found or made, or does not capture the subjects.
     #[error(transparent)]
     Stream(#[from] crate::publish::StreamError),
     /// JetStream did not answer within the start-up timeout.
-    #[error("NATS JetStream did not answer within {0:?}; is nats-server running with -js, and is --nats-url (NATS_URL) right?")]
+    #[error(
+        "NATS JetStream did not answer within {0:?}; is nats-server running with -js, and is --nats-url (NATS_URL) right?"
+    )]
     NatsUnavailable(Duration),
 }
 
 /// What the relay is doing, for `/healthz` and `/readyz`.
 #[derive(Debug, Default)]
 pub struct Health {
-    started: AtomicBool,
-    database_ok: AtomicBool,
-    owned: AtomicUsize,
-    standby: AtomicUsize,
+    pub(crate) started: AtomicBool,
+    pub(crate) database_ok: AtomicBool,
+    pub(crate) owned: AtomicUsize,
+    pub(crate) standby: AtomicUsize,
 }
 
 impl Health {
@@ -66,7 +75,7 @@ impl Health {
             && (self.owned.load(Ordering::Relaxed) + self.standby.load(Ordering::Relaxed)) > 0
     }
 
-    /// Partitions this relay owns now.
+    /// Partitions this relay owns now (ordered mode), or workers connected (unordered).
     pub fn owned_partitions(&self) -> usize {
         self.owned.load(Ordering::Relaxed)
     }
@@ -98,7 +107,11 @@ pub struct Relay {
 impl Relay {
     /// A relay with `config`, publishing through `nats`.
     pub fn new(config: RelayConfig, nats: async_nats::Client) -> Self {
-        Relay { config: Arc::new(config), nats, health: Arc::default() }
+        Relay {
+            config: Arc::new(config),
+            nats,
+            health: Arc::default(),
+        }
     }
 
     /// Its health, shared with the admin listener.
@@ -125,24 +138,44 @@ impl Relay {
             table = %cfg.table,
             mode = %cfg.mode,
             partitions = cfg.partitions,
+            workers = cfg.workers,
             "outbox relay started"
         );
         self.health.started.store(true, Ordering::Relaxed);
 
         let mut tasks = JoinSet::new();
-        for index in 0..cfg.partitions {
-            let worker = Worker {
-                cfg: cfg.clone(),
-                js: js.clone(),
-                health: self.health.clone(),
-                partition: Partition { index, count: cfg.partitions },
-                shutdown: shutdown.clone(),
-            };
-            tasks.spawn(
-                worker.run().instrument(info_span!("outbox.partition", outbox.partition = index)),
-            );
+        match cfg.mode {
+            Mode::Ordered => {
+                let ordered = Ordered {
+                    cfg: cfg.clone(),
+                    js: js.clone(),
+                    health: self.health.clone(),
+                    shutdown: shutdown.clone(),
+                };
+                tasks.spawn(ordered.run().instrument(info_span!("outbox.ordered")));
+            }
+            Mode::Unordered => {
+                for worker in 0..cfg.workers {
+                    let unordered = Unordered {
+                        cfg: cfg.clone(),
+                        js: js.clone(),
+                        health: self.health.clone(),
+                        shutdown: shutdown.clone(),
+                    };
+                    tasks.spawn(
+                        unordered
+                            .run()
+                            .instrument(info_span!("outbox.worker", outbox.worker = worker)),
+                    );
+                }
+            }
         }
-        tasks.spawn(stats(cfg.clone(), self.health.clone(), stream.duplicate_window, shutdown.clone()));
+        tasks.spawn(stats(
+            cfg.clone(),
+            self.health.clone(),
+            stream.duplicate_window,
+            shutdown.clone(),
+        ));
         while let Some(done) = tasks.join_next().await {
             if let Err(e) = done {
                 error!(error = %e, "relay task failed");
@@ -166,7 +199,10 @@ impl Relay {
             match AsyncPgConnection::establish(&cfg.database_url).await {
                 Ok(c) => break c,
                 Err(e) if tokio::time::Instant::now() >= deadline => {
-                    return Err(RelayError::Database { timeout: cfg.startup_timeout, source: e });
+                    return Err(RelayError::Database {
+                        timeout: cfg.startup_timeout,
+                        source: e,
+                    });
                 }
                 Err(e) => {
                     warn!(error = %e, "PostgreSQL not reachable yet; retrying");
@@ -176,10 +212,15 @@ impl Relay {
                 }
             }
         };
-        if !db::table_exists(&mut conn, &cfg.table).await.map_err(RelayError::Query)? {
+        if !db::table_exists(&mut conn, &cfg.table)
+            .await
+            .map_err(RelayError::Query)?
+        {
             return Err(RelayError::TableMissing(cfg.table.to_string()));
         }
-        db::backlog(&mut conn, &cfg.table).await.map_err(RelayError::Query)?;
+        db::backlog(&mut conn, &cfg.table)
+            .await
+            .map_err(RelayError::Query)?;
         drop(conn);
         let mut backoff = Backoff::new(cfg.max_backoff);
         loop {
@@ -211,22 +252,25 @@ impl Relay {
 
 /// Capped exponential backoff: 50 ms, 100 ms, … up to the cap.
 #[derive(Debug)]
-struct Backoff {
+pub(crate) struct Backoff {
     next: Duration,
     cap: Duration,
 }
 
 impl Backoff {
-    fn new(cap: Duration) -> Self {
-        Backoff { next: Duration::from_millis(50), cap }
+    pub(crate) fn new(cap: Duration) -> Self {
+        Backoff {
+            next: Duration::from_millis(50),
+            cap,
+        }
     }
 
-    fn reset(&mut self) {
+    pub(crate) fn reset(&mut self) {
         self.next = Duration::from_millis(50);
     }
 
     /// Sleeps for the next delay; `false` when shut down meanwhile.
-    async fn sleep(&mut self, shutdown: &CancellationToken) -> bool {
+    pub(crate) async fn sleep(&mut self, shutdown: &CancellationToken) -> bool {
         let d = self.next;
         self.next = (self.next * 2).min(self.cap);
         tokio::select! {
@@ -236,261 +280,72 @@ impl Backoff {
     }
 }
 
-/// One partition: takes its lease, then publishes its rows while it holds it.
-struct Worker {
-    cfg: Arc<RelayConfig>,
-    js: jetstream::Context,
-    health: Arc<Health>,
-    partition: Partition,
-    shutdown: CancellationToken,
+/// `LISTEN` on the table's channel, for the recording side's `NOTIFY`.
+pub(crate) async fn listen(
+    conn: &mut AsyncPgConnection,
+    table: &outbox_diesel::OutboxTable,
+) -> diesel::QueryResult<()> {
+    conn.batch_execute(&format!("LISTEN {}", quote_ident(&table.channel())))
+        .await
 }
 
-/// How a batch ended.
-enum BatchEnd {
-    /// Every row sent was acked (or shutdown stopped it).
-    Done,
-    /// NATS failed in a way a retry may fix: back off.
-    Transient,
-    /// A row failed in a way that is about the row: count it, maybe park it, back off.
-    RowFailed { seq: i64, attempts: i32, error: String, park_now: bool },
+/// Waits for a `NOTIFY`, the poll interval (but not past `until`), or shutdown.
+pub(crate) async fn idle(
+    conn: &mut AsyncPgConnection,
+    cfg: &RelayConfig,
+    shutdown: &CancellationToken,
+    until: std::time::Instant,
+) {
+    let deadline =
+        (std::time::Instant::now() + cfg.poll_interval).min(until.max(std::time::Instant::now()));
+    let sleep = tokio::time::sleep_until(deadline.into());
+    if cfg.listen {
+        let mut notes = std::pin::pin!(conn.notifications_stream());
+        tokio::select! {
+            _ = sleep => {}
+            _ = notes.next() => {}
+            _ = shutdown.cancelled() => {}
+        }
+    } else {
+        tokio::select! {
+            _ = sleep => {}
+            _ = shutdown.cancelled() => {}
+        }
+    }
 }
 
-impl Worker {
-    async fn run(self) {
-        let mut backoff = Backoff::new(self.cfg.max_backoff);
-        let mut standby = false;
-        while !self.shutdown.is_cancelled() {
-            let mut conn = match AsyncPgConnection::establish(&self.cfg.database_url).await {
-                Ok(c) => c,
-                Err(e) => {
-                    self.health.database_ok.store(false, Ordering::Relaxed);
-                    warn!(error = %e, "cannot connect to PostgreSQL; retrying");
-                    if !backoff.sleep(&self.shutdown).await {
-                        break;
-                    }
-                    continue;
-                }
-            };
-            self.health.database_ok.store(true, Ordering::Relaxed);
-            match self.own(&mut conn, &mut standby, &mut backoff).await {
-                Ok(()) => {}
-                Err(e) => {
-                    warn!(error = %e, "database error; reconnecting");
-                    if !backoff.sleep(&self.shutdown).await {
-                        break;
-                    }
-                }
-            }
+/// Acts on how a batch ended: counts and parks a failing row, backs off after a failure.
+/// `false` when shut down meanwhile.
+pub(crate) async fn settle(
+    conn: &mut AsyncPgConnection,
+    cfg: &RelayConfig,
+    end: BatchEnd,
+    backoff: &mut Backoff,
+    shutdown: &CancellationToken,
+) -> diesel::QueryResult<bool> {
+    match end {
+        BatchEnd::Done => {
+            backoff.reset();
+            Ok(true)
         }
-        if standby {
-            self.health.standby.fetch_sub(1, Ordering::Relaxed);
-        }
-    }
-
-    /// Waits for the lease on `conn`, then publishes until shutdown or a database error.
-    async fn own(
-        &self,
-        conn: &mut AsyncPgConnection,
-        standby: &mut bool,
-        backoff: &mut Backoff,
-    ) -> diesel::QueryResult<()> {
-        let (table, partition) = (&self.cfg.table, self.partition);
-        loop {
-            if db::try_lock_partition(conn, table, partition).await? {
-                break;
+        BatchEnd::LeaseUnconfirmed => Ok(true),
+        BatchEnd::Transient => Ok(backoff.sleep(shutdown).await),
+        BatchEnd::RowFailed {
+            seq,
+            attempts,
+            error,
+            park_now,
+        } => {
+            let park = park_now || attempts + 1 >= cfg.max_attempts as i32;
+            db::record_failure(conn, &cfg.table, seq, &error, park).await?;
+            if park {
+                metrics::counter!(m::ROWS_PARKED).increment(1);
+                error!(outbox.seq = seq, error = %error, "row parked: it holds back the later events of its aggregate (ordered mode) until `outbox-relay retry`");
+                Ok(true)
+            } else {
+                warn!(outbox.seq = seq, attempts = attempts + 1, error = %error, "publish rejected; retrying");
+                Ok(backoff.sleep(shutdown).await)
             }
-            if !*standby {
-                *standby = true;
-                self.health.standby.fetch_add(1, Ordering::Relaxed);
-                info!("partition owned by another relay; standing by");
-            }
-            tokio::select! {
-                _ = tokio::time::sleep(self.cfg.standby_interval) => {}
-                _ = self.shutdown.cancelled() => return Ok(()),
-            }
-        }
-        if *standby {
-            *standby = false;
-            self.health.standby.fetch_sub(1, Ordering::Relaxed);
-        }
-        self.health.owned.fetch_add(1, Ordering::Relaxed);
-        metrics::gauge!(m::PARTITIONS_OWNED).increment(1.0);
-        info!("partition acquired; publishing");
-        let result = self.publish_loop(conn, backoff).await;
-        self.health.owned.fetch_sub(1, Ordering::Relaxed);
-        metrics::gauge!(m::PARTITIONS_OWNED).decrement(1.0);
-        if result.is_ok() {
-            // a clean stop: hand the partition over at once
-            let _ = db::unlock_partition(conn, table, partition).await;
-            info!("partition released");
-        }
-        result
-    }
-
-    async fn publish_loop(
-        &self,
-        conn: &mut AsyncPgConnection,
-        backoff: &mut Backoff,
-    ) -> diesel::QueryResult<()> {
-        let table = &self.cfg.table;
-        if self.cfg.listen {
-            conn.batch_execute(&format!("LISTEN {}", quote_ident(&table.channel()))).await?;
-        }
-        while !self.shutdown.is_cancelled() {
-            let rows =
-                db::fetch_unpublished(conn, table, self.partition, self.cfg.batch_size as i64)
-                    .await?;
-            if rows.is_empty() {
-                self.idle(conn).await;
-                continue;
-            }
-            let span = info_span!("outbox.batch", batch.len = rows.len());
-            let (acked, end) = self.publish_batch(&rows).instrument(span.clone()).await;
-            let marked = db::mark_published(conn, table, &acked).instrument(span).await?;
-            debug!(acked = acked.len(), marked, "batch marked");
-            match end {
-                BatchEnd::Done => backoff.reset(),
-                BatchEnd::Transient => {
-                    if !backoff.sleep(&self.shutdown).await {
-                        break;
-                    }
-                }
-                BatchEnd::RowFailed { seq, attempts, error, park_now } => {
-                    let park = park_now || attempts + 1 >= self.cfg.max_attempts as i32;
-                    db::record_failure(conn, table, seq, &error, park).await?;
-                    if park {
-                        metrics::counter!(m::ROWS_PARKED).increment(1);
-                        error!(outbox.seq = seq, error = %error, "row parked: it holds back its aggregate until retried; see `outbox-relay parked`");
-                    } else {
-                        warn!(outbox.seq = seq, attempts = attempts + 1, error = %error, "publish rejected; retrying");
-                        if !backoff.sleep(&self.shutdown).await {
-                            break;
-                        }
-                    }
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Waits for a `NOTIFY`, the poll interval, or shutdown.
-    async fn idle(&self, conn: &mut AsyncPgConnection) {
-        let sleep = tokio::time::sleep(self.cfg.poll_interval);
-        if self.cfg.listen {
-            let mut notes = std::pin::pin!(conn.notifications_stream());
-            tokio::select! {
-                _ = sleep => {}
-                _ = notes.next() => {}
-                _ = self.shutdown.cancelled() => {}
-            }
-        } else {
-            tokio::select! {
-                _ = sleep => {}
-                _ = self.shutdown.cancelled() => {}
-            }
-        }
-    }
-
-    /// Publishes `rows` in order, pipelined, never two unacked messages of one aggregate at
-    /// once; stops sending at the first failure. Returns the acked rows' `seq`.
-    async fn publish_batch(&self, rows: &[OutboxRow]) -> (Vec<i64>, BatchEnd) {
-        metrics::histogram!(m::BATCH_ROWS).record(rows.len() as f64);
-        let cfg = &self.cfg;
-        let mut acked = Vec::with_capacity(rows.len());
-        let mut in_flight = FuturesOrdered::new();
-        let mut in_flight_aggregates: HashSet<(&str, &str)> = HashSet::new();
-        let mut end = BatchEnd::Done;
-        'rows: for (i, row) in rows.iter().enumerate() {
-            if self.shutdown.is_cancelled() {
-                break;
-            }
-            let key = (row.aggregate_type.as_str(), row.aggregate_id.as_str());
-            // wait for the previous message of this aggregate, and for room in the window
-            while in_flight_aggregates.contains(&key) || in_flight.len() >= cfg.max_in_flight {
-                let Some((j, result)) = in_flight.next().await else { break };
-                let done: &OutboxRow = &rows[j];
-                in_flight_aggregates.remove(&(done.aggregate_type.as_str(), done.aggregate_id.as_str()));
-                if let Some(failure) = self.on_ack(done, result, &mut acked) {
-                    end = failure;
-                    break 'rows;
-                }
-            }
-            let msg = match to_message(row, &cfg.subject_template, &cfg.subject_prefix) {
-                Ok(m) => m,
-                Err(e) => {
-                    metrics::counter!(m::PUBLISH_ERRORS, "kind" => "invalid_row").increment(1);
-                    end = BatchEnd::RowFailed { seq: row.seq, attempts: row.attempts, error: e.to_string(), park_now: true };
-                    break;
-                }
-            };
-            let publish = jetstream::message::PublishMessage::build()
-                .payload(msg.payload)
-                .headers(msg.headers);
-            match self.js.send_publish(msg.subject, publish).await {
-                Ok(ack) => {
-                    in_flight_aggregates.insert(key);
-                    in_flight.push_back(async move { (i, ack.await) });
-                }
-                Err(e) => {
-                    end = self.classify(row, &e);
-                    break;
-                }
-            }
-        }
-        while let Some((j, result)) = in_flight.next().await {
-            if let Some(failure) = self.on_ack(&rows[j], result, &mut acked)
-                && matches!(end, BatchEnd::Done)
-            {
-                end = failure;
-            }
-        }
-        (acked, end)
-    }
-
-    fn on_ack(
-        &self,
-        row: &OutboxRow,
-        result: Result<jetstream::publish::PublishAck, jetstream::context::PublishError>,
-        acked: &mut Vec<i64>,
-    ) -> Option<BatchEnd> {
-        match result {
-            Ok(ack) => {
-                acked.push(row.seq);
-                metrics::counter!(m::EVENTS_PUBLISHED).increment(1);
-                if ack.duplicate {
-                    metrics::counter!(m::DUPLICATES).increment(1);
-                }
-                let latency = (chrono::Utc::now() - row.created_at).to_std().unwrap_or_default();
-                metrics::histogram!(m::COMMIT_TO_ACK).record(latency.as_secs_f64());
-                None
-            }
-            Err(e) => Some(self.classify(row, &e)),
-        }
-    }
-
-    fn classify(&self, row: &OutboxRow, e: &jetstream::context::PublishError) -> BatchEnd {
-        let api_error = std::error::Error::source(e)
-            .and_then(|s| s.downcast_ref::<jetstream::Error>())
-            .is_some();
-        let (kind, permanent) = match e.kind() {
-            PublishErrorKind::MaxPayloadExceeded => ("max_payload", true),
-            PublishErrorKind::Other if api_error => ("rejected", true),
-            PublishErrorKind::TimedOut => ("timeout", false),
-            PublishErrorKind::StreamNotFound => ("no_stream", false),
-            PublishErrorKind::BrokenPipe => ("broken_pipe", false),
-            _ => ("other", false),
-        };
-        metrics::counter!(m::PUBLISH_ERRORS, "kind" => kind).increment(1);
-        if permanent {
-            BatchEnd::RowFailed {
-                seq: row.seq,
-                attempts: row.attempts,
-                error: e.to_string(),
-                park_now: matches!(e.kind(), PublishErrorKind::MaxPayloadExceeded),
-            }
-        } else {
-            warn!(outbox.seq = row.seq, error = %e, kind, "publish failed; the batch stops here and is retried");
-            BatchEnd::Transient
         }
     }
 }
@@ -527,7 +382,11 @@ async fn stats(
                 let stalled = b.oldest_age_seconds > cfg.stall_after.as_secs_f64();
                 metrics::gauge!(m::STALLED).set(if stalled { 1.0 } else { 0.0 });
                 if stalled && health.owned_partitions() > 0 {
-                    warn!(oldest_age_seconds = b.oldest_age_seconds, backlog = b.unpublished, "outbox backlog is stalled: its oldest row waits longer than --stall-after");
+                    warn!(
+                        oldest_age_seconds = b.oldest_age_seconds,
+                        backlog = b.unpublished,
+                        "outbox backlog is stalled: its oldest row waits longer than --stall-after"
+                    );
                 }
                 let beyond = b.oldest_age_seconds > duplicate_window.as_secs_f64();
                 metrics::gauge!(m::BEYOND_DUPLICATE_WINDOW).set(if beyond { 1.0 } else { 0.0 });

@@ -32,6 +32,38 @@ enum Command {
     /// Print the outbox's backlog, its oldest row's age and the partition owners; exits 1
     /// when the oldest unpublished row is older than --stall-after.
     Status(StatusArgs),
+    /// List the parked rows: rows the relay gave up on, with their errors.
+    Parked(ParkedArgs),
+    /// Release parked rows so the relay publishes them again.
+    Retry(RetryArgs),
+}
+
+#[derive(Debug, Args)]
+struct ParkedArgs {
+    #[command(flatten)]
+    db: DbArgs,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Args)]
+#[group(required = true, multiple = false)]
+struct RetrySelection {
+    /// The `seq` of the parked row to retry.
+    #[arg(long)]
+    seq: Option<i64>,
+    /// Retry every parked row.
+    #[arg(long)]
+    all: bool,
+}
+
+#[derive(Debug, Args)]
+struct RetryArgs {
+    #[command(flatten)]
+    db: DbArgs,
+    #[command(flatten)]
+    which: RetrySelection,
 }
 
 #[derive(Debug, Args)]
@@ -49,7 +81,12 @@ struct RunArgs {
     #[command(flatten)]
     db: DbArgs,
     /// NATS server URL(s), comma-separated.
-    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222", hide_env_values = true)]
+    #[arg(
+        long,
+        env = "NATS_URL",
+        default_value = "nats://127.0.0.1:4222",
+        hide_env_values = true
+    )]
     nats_url: String,
     /// JetStream stream; created (subjects `{prefix}.>`) when missing.
     #[arg(long, env = "OUTBOX_STREAM", default_value = "OUTBOX")]
@@ -58,14 +95,25 @@ struct RunArgs {
     #[arg(long, env = "OUTBOX_SUBJECT_PREFIX", default_value = "outbox")]
     subject_prefix: String,
     /// Subject of each event, from `{prefix}`, `{aggregate_type}`, `{aggregate_id}`, `{event_type}`.
-    #[arg(long, env = "OUTBOX_SUBJECT_TEMPLATE", default_value = "{prefix}.{aggregate_type}.{aggregate_id}")]
+    #[arg(
+        long,
+        env = "OUTBOX_SUBJECT_TEMPLATE",
+        default_value = "{prefix}.{aggregate_type}.{aggregate_id}"
+    )]
     subject_template: SubjectTemplate,
     /// How rows are read.
     #[arg(long, env = "OUTBOX_MODE", value_enum, default_value_t = CliMode::Ordered)]
     mode: CliMode,
     /// Partitions of the table (ordered mode), each published by one relay at a time.
+    /// Every relay of a table must run with the same count.
     #[arg(long, env = "OUTBOX_PARTITIONS", default_value_t = 1)]
     partitions: u32,
+    /// Competing workers in this process (unordered mode).
+    #[arg(long, env = "OUTBOX_WORKERS", default_value_t = 4)]
+    workers: u32,
+    /// How long a paused or cut-off relay keeps its partitions before another takes them.
+    #[arg(long, env = "OUTBOX_LEASE", default_value = "15s", value_parser = humantime::parse_duration)]
+    lease: Duration,
     /// Rows read per query.
     #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = 500)]
     batch_size: usize,
@@ -129,6 +177,8 @@ struct RunArgs {
 enum CliMode {
     /// Per-partition owners publish in `seq` order: order per aggregate holds.
     Ordered,
+    /// Competing workers (FOR UPDATE SKIP LOCKED): no order per aggregate.
+    Unordered,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -151,7 +201,10 @@ struct StatusArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(r) => r,
         Err(e) => {
             eprintln!("outbox-relay: cannot start the async runtime: {e}");
@@ -161,13 +214,17 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Run(args) => runtime.block_on(run(*args)),
         Command::Status(args) => runtime.block_on(status(args)),
+        Command::Parked(args) => runtime.block_on(parked(args)),
+        Command::Retry(args) => runtime.block_on(retry(args)),
     }
 }
 
 fn init_tracing(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),
@@ -189,7 +246,10 @@ async fn run(args: RunArgs) -> ExitCode {
         .startup_timeout(args.startup_timeout);
     config.mode = match args.mode {
         CliMode::Ordered => Mode::Ordered,
+        CliMode::Unordered => Mode::Unordered,
     };
+    config.workers = args.workers;
+    config.lease = args.lease;
     config.max_in_flight = args.max_in_flight;
     config.max_attempts = args.max_attempts;
     config.stall_after = args.stall_after;
@@ -277,13 +337,14 @@ async fn connect_nats(
 /// The first SIGTERM/SIGINT drains; a second one exits at once.
 fn spawn_signal_handler(shutdown: CancellationToken) {
     tokio::spawn(async move {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(s) => s,
-            Err(e) => {
-                error!("cannot install the SIGTERM handler: {e}");
-                return;
-            }
-        };
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(e) => {
+                    error!("cannot install the SIGTERM handler: {e}");
+                    return;
+                }
+            };
         for n in 0..2 {
             tokio::select! {
                 _ = term.recv() => {}
@@ -309,31 +370,103 @@ struct Status {
     owners: Vec<db::PartitionOwner>,
 }
 
-async fn status(args: StatusArgs) -> ExitCode {
-    let fail = |msg: String| {
-        eprintln!("outbox-relay status: {msg}");
-        ExitCode::from(2)
-    };
-    let mut conn = match AsyncPgConnection::establish(&args.db.database_url).await {
+fn fail(command: &str, msg: String) -> ExitCode {
+    eprintln!("outbox-relay {command}: {msg}");
+    ExitCode::from(2)
+}
+
+/// Connects for a one-shot command and checks the table exists.
+async fn open(command: &str, db: &DbArgs) -> Result<AsyncPgConnection, ExitCode> {
+    let mut conn = AsyncPgConnection::establish(&db.database_url).await.map_err(|e| {
+        fail(command, format!(
+            "cannot connect to {}: {e}; is PostgreSQL running, and is --database-url (DATABASE_URL) right?",
+            redact_url(&db.database_url)
+        ))
+    })?;
+    match db::table_exists(&mut conn, &db.table).await {
+        Ok(true) => Ok(conn),
+        Ok(false) => Err(fail(
+            command,
+            format!(
+                "the outbox table {} does not exist; pass --table or apply outbox-diesel's migrations",
+                db.table
+            ),
+        )),
+        Err(e) => Err(fail(command, format!("{e}"))),
+    }
+}
+
+async fn parked(args: ParkedArgs) -> ExitCode {
+    let mut conn = match open("parked", &args.db).await {
         Ok(c) => c,
-        Err(e) => {
-            return fail(format!(
-                "cannot connect to {}: {e}; is PostgreSQL running, and is --database-url (DATABASE_URL) right?",
-                redact_url(&args.db.database_url)
-            ));
+        Err(code) => return code,
+    };
+    let rows = match db::parked(&mut conn, &args.db.table).await {
+        Ok(r) => r,
+        Err(e) => return fail("parked", format!("cannot read {}: {e}", args.db.table)),
+    };
+    if args.json {
+        match serde_json::to_string_pretty(&rows) {
+            Ok(s) => println!("{s}"),
+            Err(e) => return fail("parked", format!("{e}")),
         }
+    } else if rows.is_empty() {
+        println!("no parked rows");
+    } else {
+        for r in &rows {
+            println!(
+                "seq {}  id {}  {}/{}  {}  attempts {}  held back {}  parked {}\n    error: {}",
+                r.seq,
+                r.id,
+                r.aggregate_type,
+                r.aggregate_id,
+                r.event_type,
+                r.attempts,
+                r.held_back,
+                r.parked_at.to_rfc3339(),
+                r.last_error.as_deref().unwrap_or("-")
+            );
+        }
+        println!(
+            "retry one with `outbox-relay retry --seq SEQ`, or all with `outbox-relay retry --all`"
+        );
+    }
+    ExitCode::SUCCESS
+}
+
+async fn retry(args: RetryArgs) -> ExitCode {
+    let mut conn = match open("retry", &args.db).await {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    let seq = if args.which.all { None } else { args.which.seq };
+    match db::retry_parked(&mut conn, &args.db.table, seq).await {
+        Ok(0) if seq.is_some() => fail(
+            "retry",
+            format!("no parked row with seq {}", seq.unwrap_or_default()),
+        ),
+        Ok(n) => {
+            println!("released {n} parked row(s); the relay publishes them on its next poll");
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail("retry", format!("cannot update {}: {e}", args.db.table)),
+    }
+}
+
+async fn status(args: StatusArgs) -> ExitCode {
+    let fail = |msg: String| fail("status", msg);
+    let mut conn = match open("status", &args.db).await {
+        Ok(c) => c,
+        Err(code) => return code,
     };
     let table = &args.db.table;
-    match db::table_exists(&mut conn, table).await {
-        Ok(true) => {}
-        Ok(false) => return fail(format!("the outbox table {table} does not exist; pass --table or apply the migrations")),
-        Err(e) => return fail(format!("{e}")),
-    }
     let backlog = match db::backlog(&mut conn, table).await {
         Ok(b) => b,
         Err(e) => return fail(format!("cannot read {table}: {e}")),
     };
-    let owners = db::partition_owners(&mut conn, table).await.unwrap_or_default();
+    let owners = db::partition_owners(&mut conn, table)
+        .await
+        .unwrap_or_default();
     let stalled = backlog.oldest_age_seconds > args.stall_after.as_secs_f64();
     let status = Status {
         table: table.to_string(),
@@ -352,7 +485,10 @@ async fn status(args: StatusArgs) -> ExitCode {
         println!("unpublished      {}", status.backlog.unpublished);
         println!("oldest age       {:.3}s", status.backlog.oldest_age_seconds);
         println!("parked           {}", status.backlog.parked);
-        println!("stalled          {} (after {:?})", status.stalled, args.stall_after);
+        println!(
+            "stalled          {} (after {:?})",
+            status.stalled, args.stall_after
+        );
         if status.owners.is_empty() {
             println!("owners           none: no relay holds a partition");
         }
@@ -366,5 +502,9 @@ async fn status(args: StatusArgs) -> ExitCode {
             );
         }
     }
-    if stalled { ExitCode::from(1) } else { ExitCode::SUCCESS }
+    if stalled {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    }
 }

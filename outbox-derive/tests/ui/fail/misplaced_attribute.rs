@@ -13,8 +13,9 @@ struct OrderPlaced {
 enum OrderEvent {
     #[outbox(aggregate_type = "cart", rename_all = "kebab-case")]
     Placed(#[outbox(aggregate_id)] i64),
+    // Reported once: not also as "no field is marked".
     #[outbox(aggregate_id)]
-    Cancelled(#[outbox(aggregate_id)] i64),
+    Cancelled(i64),
 }
 
 fn main() {}

@@ -14,7 +14,8 @@ struct OrderPlaced<Id> {
     id: Id,
 }
 
-/// A stand-in with the same methods, to show that the impl goes where `crate` points.
+/// A stand-in with the same methods, to show that the impl goes where `crate` points (and
+/// that a generic type's `Serialize` bound goes through `<crate>::__private::serde`).
 mod shim {
     pub use ::outbox_diesel::__private;
 
@@ -30,8 +31,8 @@ mod shim {
 
 #[derive(Serialize, outbox_diesel::OutboxEvent)]
 #[outbox(aggregate_type = "shim", crate = "crate::shim")]
-enum ShimEvent {
-    Poked(#[outbox(aggregate_id)] u8),
+enum ShimEvent<T> {
+    Poked(#[outbox(aggregate_id)] T),
 }
 
 fn main() {
@@ -40,9 +41,9 @@ fn main() {
     assert_eq!(placed.aggregate_type(), "order");
     assert_eq!(placed.aggregate_id(), "9");
 
-    let poked = ShimEvent::Poked(1);
+    let poked = ShimEvent::Poked(1_u8);
     assert_eq!(shim::OutboxEvent::aggregate_type(&poked), "shim");
     assert_eq!(shim::OutboxEvent::event_type(&poked), "poked");
     assert_eq!(shim::OutboxEvent::aggregate_id(&poked), "1");
-    assert_eq!(<ShimEvent as shim::OutboxEvent>::event_types(), ["poked"]);
+    assert_eq!(<ShimEvent<u8> as shim::OutboxEvent>::event_types(), ["poked"]);
 }

@@ -48,7 +48,7 @@ macro_rules! event {
 }
 event!(StockMoved, "stock", "stock.moved");
 
-// Works through a generic bound and as a trait object.
+// Works through a generic bound.
 fn describe<E: OutboxEvent>(event: &E) -> String {
     format!("{}/{}/{}", event.aggregate_type(), event.event_type(), event.aggregate_id())
 }
@@ -76,10 +76,10 @@ fn main() {
     assert_eq!(renamed.new_name, "Ada");
 
     let moved = StockMoved { id: 5 };
-    let dynamic: &dyn OutboxEvent = &moved;
-    assert_eq!(dynamic.aggregate_type(), "stock");
-    assert_eq!(dynamic.event_type(), "stock.moved");
-    assert_eq!(dynamic.aggregate_id(), "5");
+    assert_eq!(moved.aggregate_type(), "stock");
+    assert_eq!(moved.event_type(), "stock.moved");
+    assert_eq!(moved.aggregate_id(), "5");
+    assert_eq!(StockMoved::event_types(), ["stock.moved"]);
     // The blanket impl for references.
     assert_eq!(describe(&&moved), "stock/stock.moved/5");
 }

@@ -1,0 +1,62 @@
+//! The relay's lease on its database session.
+//!
+//! A relay owns its partitions (or its claimed rows) through its PostgreSQL session: advisory
+//! locks and row locks last as long as the session. A relay that is paused (SIGSTOP, a long
+//! GC-like stall, a frozen VM) keeps its TCP connection, so PostgreSQL would keep its locks
+//! forever. Two settings bound that:
+//!
+//! - the session is opened with `idle_session_timeout` and
+//!   `idle_in_transaction_session_timeout` equal to the lease, so PostgreSQL ends a session
+//!   that has sent nothing for that long, and its locks pass to another relay;
+//! - the relay publishes only while its last successful query is younger than half the lease
+//!   ([`Lease::is_valid`]), so a relay that wakes up after a pause stops before sending
+//!   anything a new owner may have taken over.
+
+use std::time::{Duration, Instant};
+
+use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
+
+/// When the session last proved alive.
+#[derive(Debug)]
+pub(crate) struct Lease {
+    duration: Duration,
+    confirmed: Option<Instant>,
+}
+
+impl Lease {
+    pub(crate) fn new(duration: Duration) -> Self {
+        Lease {
+            duration,
+            confirmed: None,
+        }
+    }
+
+    /// Records that a query that started at `at` succeeded.
+    pub(crate) fn confirm(&mut self, at: Instant) {
+        self.confirmed = Some(at);
+    }
+
+    /// Whether the relay may still publish: its session answered within half the lease.
+    pub(crate) fn is_valid(&self) -> bool {
+        self.confirmed
+            .is_some_and(|t| t.elapsed() < self.duration / 2)
+    }
+
+    /// Sets the session timeouts that end a silent session after the lease.
+    pub(crate) async fn configure(&self, conn: &mut AsyncPgConnection) -> diesel::QueryResult<()> {
+        let ms = self.duration.as_millis();
+        conn.batch_execute(&format!(
+            "SET application_name = 'outbox-relay'; \
+             SET idle_in_transaction_session_timeout = {ms}"
+        ))
+        .await?;
+        // PostgreSQL 14 and later; older servers only release on a dropped connection
+        if let Err(e) = conn
+            .batch_execute(&format!("SET idle_session_timeout = {ms}"))
+            .await
+        {
+            tracing::warn!(error = %e, "the server has no idle_session_timeout (PostgreSQL < 14): a paused relay keeps its partitions until its connection drops");
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,269 @@
+//! The `ordered` mode: the table is split into N partitions by `aggregate_hash % N`; each
+//! partition is owned by one relay process at a time (a session advisory lock), and its owner
+//! publishes its rows in `seq` order.
+//!
+//! One session per process holds the process's membership lock and its partition locks, and
+//! reads every partition it owns with one query, so that losing the session loses every lease
+//! at once. Every `balance_interval` a relay counts the live relays of the table in
+//! `pg_locks`, keeps `ceil(N / relays)` partitions, releases the extra ones between batches
+//! (after marking what it published) and takes free ones. A relay that starts with another
+//! partition count than an older running one waits until that one is gone: two partition
+//! counts at once would let two relays publish one aggregate.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use async_nats::jetstream;
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use outbox_diesel::relay::{self as db, Partition};
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, debug, info, info_span, warn};
+
+use crate::RelayConfig;
+use crate::lease::Lease;
+use crate::metrics as m;
+use crate::pipeline::publish_batch;
+use crate::relay::{Backoff, Health, idle, listen, settle};
+
+pub(crate) struct Ordered {
+    pub(crate) cfg: Arc<RelayConfig>,
+    pub(crate) js: jetstream::Context,
+    pub(crate) health: Arc<Health>,
+    pub(crate) shutdown: CancellationToken,
+}
+
+#[derive(diesel::QueryableByName)]
+struct Pid {
+    #[diesel(sql_type = diesel::sql_types::Integer)]
+    pid: i32,
+}
+
+impl Ordered {
+    pub(crate) async fn run(self) {
+        let mut backoff = Backoff::new(self.cfg.max_backoff);
+        self.health.standby.store(1, Ordering::Relaxed);
+        while !self.shutdown.is_cancelled() {
+            let mut conn = match AsyncPgConnection::establish(&self.cfg.database_url).await {
+                Ok(c) => c,
+                Err(e) => {
+                    self.health.database_ok.store(false, Ordering::Relaxed);
+                    warn!(error = %e, "cannot connect to PostgreSQL; retrying");
+                    if !backoff.sleep(&self.shutdown).await {
+                        break;
+                    }
+                    continue;
+                }
+            };
+            self.health.database_ok.store(true, Ordering::Relaxed);
+            let mut owned = BTreeSet::new();
+            let result = self.session(&mut conn, &mut owned, &mut backoff).await;
+            owned.clear();
+            self.set_owned(&owned);
+            if let Err(e) = result {
+                self.health.database_ok.store(false, Ordering::Relaxed);
+                warn!(error = %e, "database session lost; its partitions are free for other relays; reconnecting");
+                if !backoff.sleep(&self.shutdown).await {
+                    break;
+                }
+            }
+        }
+        self.health.standby.store(0, Ordering::Relaxed);
+    }
+
+    fn set_owned(&self, owned: &BTreeSet<u32>) {
+        let n = owned.len();
+        self.health.owned.store(n, Ordering::Relaxed);
+        self.health
+            .standby
+            .store(usize::from(n == 0), Ordering::Relaxed);
+        metrics::gauge!(m::PARTITIONS_OWNED).set(n as f64);
+    }
+
+    async fn session(
+        &self,
+        conn: &mut AsyncPgConnection,
+        owned: &mut BTreeSet<u32>,
+        backoff: &mut Backoff,
+    ) -> diesel::QueryResult<()> {
+        let cfg = &self.cfg;
+        let table = &cfg.table;
+        let mut lease = Lease::new(cfg.lease);
+        lease.configure(conn).await?;
+        let me: Pid = diesel::sql_query("SELECT pg_backend_pid() AS pid")
+            .get_result(conn)
+            .await?;
+        db::join_members(conn, table, cfg.partitions).await?;
+        if cfg.listen {
+            listen(conn, table).await?;
+        }
+        let mut next_balance = Instant::now();
+        let mut warned_conflict = false;
+        while !self.shutdown.is_cancelled() {
+            if Instant::now() >= next_balance {
+                self.balance(conn, me.pid, owned, &mut lease, &mut warned_conflict)
+                    .await?;
+                next_balance = Instant::now() + cfg.standby_interval;
+            }
+            if owned.is_empty() {
+                tokio::select! {
+                    _ = tokio::time::sleep_until(next_balance.into()) => {}
+                    _ = self.shutdown.cancelled() => {}
+                }
+                continue;
+            }
+            let partitions: Vec<i32> = owned.iter().map(|&p| p as i32).collect();
+            let started = Instant::now();
+            let rows = db::fetch_partitions(
+                conn,
+                table,
+                &partitions,
+                cfg.partitions,
+                cfg.batch_size as i64,
+            )
+            .await?;
+            lease.confirm(started);
+            if rows.is_empty() {
+                idle(conn, cfg, &self.shutdown, next_balance).await;
+                continue;
+            }
+            let span = info_span!(
+                "outbox.batch",
+                batch.len = rows.len(),
+                outbox.partitions = owned.len()
+            );
+            let (acked, end) = publish_batch(&self.js, cfg, &rows, &lease, &self.shutdown)
+                .instrument(span.clone())
+                .await;
+            let started = Instant::now();
+            let marked = db::mark_published(conn, table, &acked)
+                .instrument(span)
+                .await?;
+            lease.confirm(started);
+            debug!(acked = acked.len(), marked, "batch marked");
+            if !settle(conn, cfg, end, backoff, &self.shutdown).await? {
+                break;
+            }
+        }
+        // a clean stop: hand the partitions over at once
+        for &p in owned.iter() {
+            db::unlock_partition(
+                conn,
+                table,
+                Partition {
+                    index: p,
+                    count: cfg.partitions,
+                },
+            )
+            .await?;
+        }
+        if !owned.is_empty() {
+            info!(partitions = ?owned, "partitions released");
+        }
+        owned.clear();
+        Ok(())
+    }
+
+    /// Keeps this relay's fair share of the partitions: releases extra ones, takes free ones.
+    async fn balance(
+        &self,
+        conn: &mut AsyncPgConnection,
+        me: i32,
+        owned: &mut BTreeSet<u32>,
+        lease: &mut Lease,
+        warned_conflict: &mut bool,
+    ) -> diesel::QueryResult<()> {
+        let cfg = &self.cfg;
+        let n = cfg.partitions;
+        let started = Instant::now();
+        let members = db::members(conn, &cfg.table).await?;
+        lease.confirm(started);
+        let my_start = members
+            .iter()
+            .find(|m| m.pid == me)
+            .map(|m| m.backend_start);
+        let older_conflict = members.iter().find(|m| {
+            m.partitions != n as i32
+                && my_start.is_some_and(|mine| m.backend_start <= mine)
+                && m.pid != me
+        });
+        if let Some(other) = older_conflict {
+            if !*warned_conflict {
+                warn!(
+                    other_pid = other.pid,
+                    other_partitions = other.partitions,
+                    partitions = n,
+                    "a relay with another --partitions count runs on this table; this relay waits until it stops (stop every relay to change the count)"
+                );
+                *warned_conflict = true;
+            }
+            self.release(conn, owned, owned.len()).await?;
+            self.set_owned(owned);
+            return Ok(());
+        }
+        *warned_conflict = false;
+        let peers: Vec<i32> = members
+            .iter()
+            .filter(|m| m.partitions == n as i32)
+            .map(|m| m.pid)
+            .collect();
+        let count = peers.len().max(1);
+        let fair = (n as usize).div_ceil(count);
+        if owned.len() > fair {
+            let extra = owned.len() - fair;
+            self.release(conn, owned, extra).await?;
+        } else if owned.len() < fair {
+            // start where this relay's share would begin, to spread the first attempts
+            let rank = peers.iter().position(|&p| p == me).unwrap_or(0);
+            let start = (rank * fair) as u32 % n;
+            let mut taken = Vec::new();
+            for k in 0..n {
+                if owned.len() >= fair {
+                    break;
+                }
+                let p = (start + k) % n;
+                if owned.contains(&p) {
+                    continue;
+                }
+                if db::try_lock_partition(conn, &cfg.table, Partition { index: p, count: n })
+                    .await?
+                {
+                    owned.insert(p);
+                    taken.push(p);
+                }
+            }
+            if !taken.is_empty() {
+                info!(partitions = ?taken, owned = owned.len(), relays = count, "partitions acquired");
+            }
+        }
+        self.set_owned(owned);
+        Ok(())
+    }
+
+    async fn release(
+        &self,
+        conn: &mut AsyncPgConnection,
+        owned: &mut BTreeSet<u32>,
+        how_many: usize,
+    ) -> diesel::QueryResult<()> {
+        let n = self.cfg.partitions;
+        let victims: Vec<u32> = owned.iter().rev().take(how_many).copied().collect();
+        for p in &victims {
+            db::unlock_partition(
+                conn,
+                &self.cfg.table,
+                Partition {
+                    index: *p,
+                    count: n,
+                },
+            )
+            .await?;
+            owned.remove(p);
+        }
+        if !victims.is_empty() {
+            info!(partitions = ?victims, owned = owned.len(), "partitions released to balance with other relays");
+        }
+        Ok(())
+    }
+}

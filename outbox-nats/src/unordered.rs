@@ -1,0 +1,109 @@
+//! The `unordered` mode: competing workers claim the oldest unpublished rows with
+//! `FOR UPDATE SKIP LOCKED`, publish them and mark them in the same transaction.
+//!
+//! Any number of workers, in any number of processes, share the table without leases. What
+//! it gives up: rows of one aggregate claimed by two workers are published in whatever order
+//! the two finish, so consumers must not rely on per-aggregate order.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use async_nats::jetstream;
+use diesel_async::{AsyncConnection, AsyncPgConnection};
+use outbox_diesel::relay as db;
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, info_span, warn};
+
+use crate::RelayConfig;
+use crate::lease::Lease;
+use crate::pipeline::{BatchEnd, publish_batch};
+use crate::relay::{Backoff, Health, idle, listen, settle};
+
+pub(crate) struct Unordered {
+    pub(crate) cfg: Arc<RelayConfig>,
+    pub(crate) js: jetstream::Context,
+    pub(crate) health: Arc<Health>,
+    pub(crate) shutdown: CancellationToken,
+}
+
+impl Unordered {
+    pub(crate) async fn run(self) {
+        let mut backoff = Backoff::new(self.cfg.max_backoff);
+        while !self.shutdown.is_cancelled() {
+            let mut conn = match AsyncPgConnection::establish(&self.cfg.database_url).await {
+                Ok(c) => c,
+                Err(e) => {
+                    self.health.database_ok.store(false, Ordering::Relaxed);
+                    warn!(error = %e, "cannot connect to PostgreSQL; retrying");
+                    if !backoff.sleep(&self.shutdown).await {
+                        break;
+                    }
+                    continue;
+                }
+            };
+            self.health.database_ok.store(true, Ordering::Relaxed);
+            self.health.owned.fetch_add(1, Ordering::Relaxed);
+            let result = self.session(&mut conn, &mut backoff).await;
+            self.health.owned.fetch_sub(1, Ordering::Relaxed);
+            if let Err(e) = result {
+                self.health.database_ok.store(false, Ordering::Relaxed);
+                warn!(error = %e, "database session lost; reconnecting");
+                if !backoff.sleep(&self.shutdown).await {
+                    break;
+                }
+            }
+        }
+    }
+
+    async fn session(
+        &self,
+        conn: &mut AsyncPgConnection,
+        backoff: &mut Backoff,
+    ) -> diesel::QueryResult<()> {
+        let cfg = &*self.cfg;
+        let mut lease = Lease::new(cfg.lease);
+        lease.configure(conn).await?;
+        if cfg.listen {
+            listen(conn, &cfg.table).await?;
+        }
+        while !self.shutdown.is_cancelled() {
+            let (js, shutdown, lease) = (&self.js, &self.shutdown, &mut lease);
+            let end = conn
+                .transaction(async |conn| {
+                    let started = Instant::now();
+                    let rows =
+                        db::claim_unpublished(conn, &cfg.table, cfg.batch_size as i64).await?;
+                    lease.confirm(started);
+                    if rows.is_empty() {
+                        return Ok::<_, diesel::result::Error>(None);
+                    }
+                    let span = info_span!("outbox.batch", batch.len = rows.len());
+                    let (acked, end) = publish_batch(js, cfg, &rows, lease, shutdown)
+                        .instrument(span)
+                        .await;
+                    db::mark_published(conn, &cfg.table, &acked).await?;
+                    Ok(Some(end))
+                })
+                .await?;
+            match end {
+                None => {
+                    idle(
+                        conn,
+                        cfg,
+                        &self.shutdown,
+                        Instant::now() + cfg.poll_interval,
+                    )
+                    .await
+                }
+                Some(BatchEnd::Done) => backoff.reset(),
+                Some(end) => {
+                    if !settle(conn, cfg, end, backoff, &self.shutdown).await? {
+                        break;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
