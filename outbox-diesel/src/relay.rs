@@ -87,15 +87,17 @@ impl Partition {
     }
 }
 
-/// `SELECT … FROM outbox WHERE unpublished, not parked [, not behind a parked row of its
-/// aggregate] [, in the partitions] ORDER BY seq LIMIT n [FOR UPDATE SKIP LOCKED]`.
+/// `SELECT … FROM outbox WHERE unpublished, not parked [, in the partitions] [, not of a
+/// held-back aggregate] ORDER BY seq LIMIT n [FOR UPDATE SKIP LOCKED]`.
 #[derive(Debug)]
 struct FetchBatch<'a> {
     table: &'a OutboxTable,
     partitions: &'a [i32],
     count: u32,
     limit: i64,
-    /// competing workers: lock the rows, skip rows others locked, ignore aggregates
+    /// `aggregate_type.aggregate_id` of aggregates with a parked row
+    held_back: &'a [String],
+    /// competing workers: lock the rows, skip rows others locked
     skip_locked: bool,
 }
 
@@ -122,14 +124,11 @@ impl QueryFragment<Pg> for FetchBatch<'_> {
             out.push_bind_param::<Array<Integer>, _>(self.partitions)?;
             out.push_sql(")");
         }
-        if !self.skip_locked {
-            out.push_sql(" AND NOT EXISTS (SELECT 1 FROM ");
-            self.table.walk_ast(&mut out)?;
-            out.push_sql(
-                " p WHERE p.parked_at IS NOT NULL AND p.published_at IS NULL \
-                 AND p.aggregate_type = o.aggregate_type AND p.aggregate_id = o.aggregate_id \
-                 AND p.seq < o.seq)",
-            );
+        if !self.held_back.is_empty() {
+            // an aggregate type has no `.`: the key is unambiguous
+            out.push_sql(" AND (o.aggregate_type || '.' || o.aggregate_id) <> ALL(");
+            out.push_bind_param::<Array<Text>, _>(self.held_back)?;
+            out.push_sql(")");
         }
         out.push_sql(" ORDER BY o.seq LIMIT ");
         out.push_bind_param::<BigInt, _>(&self.limit)?;
@@ -142,16 +141,17 @@ impl QueryFragment<Pg> for FetchBatch<'_> {
 
 impl<Conn> diesel::RunQueryDsl<Conn> for FetchBatch<'_> {}
 
-/// Reads up to `limit` rows of `partition` that are not published yet (nor parked, nor behind
-/// a parked row of their aggregate), oldest `seq` first.
+/// Reads up to `limit` rows of `partition` that are not published yet (nor parked), oldest
+/// `seq` first, leaving out the aggregates of `held_back` (see [`held_back_aggregates`]).
 pub async fn fetch_unpublished(
     conn: &mut AsyncPgConnection,
     table: &OutboxTable,
     partition: Partition,
+    held_back: &[String],
     limit: i64,
 ) -> QueryResult<Vec<OutboxRow>> {
     let partitions = [partition.index as i32];
-    fetch_partitions(conn, table, &partitions, partition.count, limit).await
+    fetch_partitions(conn, table, &partitions, partition.count, held_back, limit).await
 }
 
 /// [`fetch_unpublished`] for several partitions (of `count`) at once: one query, in `seq`
@@ -161,20 +161,47 @@ pub async fn fetch_partitions(
     table: &OutboxTable,
     partitions: &[i32],
     count: u32,
+    held_back: &[String],
     limit: i64,
 ) -> QueryResult<Vec<OutboxRow>> {
     if partitions.is_empty() {
         return Ok(Vec::new());
     }
-    FetchBatch {
-        table,
-        partitions,
-        count,
-        limit,
-        skip_locked: false,
-    }
+    FetchBatch { table, partitions, count, limit, held_back, skip_locked: false }
+        .load(conn)
+        .await
+}
+
+#[derive(QueryableByName)]
+struct Key {
+    #[diesel(sql_type = Text)]
+    k: String,
+}
+
+/// The aggregates held back by a parked row, as `aggregate_type.aggregate_id` keys: in
+/// ordered mode, their later rows wait until the parked row is retried.
+pub async fn held_back_aggregates(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+) -> QueryResult<Vec<String>> {
+    let keys: Vec<Key> = diesel::sql_query(format!(
+        "SELECT DISTINCT aggregate_type || '.' || aggregate_id AS k FROM {} \
+         WHERE parked_at IS NOT NULL",
+        table.quoted()
+    ))
     .load(conn)
-    .await
+    .await?;
+    Ok(keys.into_iter().map(|k| k.k).collect())
+}
+
+/// Prepares a relay's session: its poll must stay an ordered scan of the partial index on
+/// unpublished rows whatever the table's statistics say. A table that fills faster than
+/// autovacuum analyzes it has statistics that call it empty, and the planner would then sort
+/// the whole backlog on every poll; the relay's session therefore disables sorts and
+/// sequential scans, which leaves the index scans the queries are written for.
+pub async fn prepare_session(conn: &mut AsyncPgConnection) -> QueryResult<()> {
+    use diesel_async::SimpleAsyncConnection;
+    conn.batch_execute("SET enable_sort = off; SET enable_seqscan = off").await
 }
 
 /// For competing workers, inside a transaction: locks and returns up to `limit` unpublished,
@@ -190,6 +217,7 @@ pub async fn claim_unpublished(
         partitions: &[],
         count: 1,
         limit,
+        held_back: &[],
         skip_locked: true,
     }
     .load(conn)

@@ -17,6 +17,10 @@ pub enum Mode {
     /// `workers` competing workers claim rows with `FOR UPDATE SKIP LOCKED`: any number of
     /// relays, no leases, no order per aggregate.
     Unordered,
+    /// One reader per replication slot reads the table's committed inserts from the WAL
+    /// (logical decoding, `pgoutput`) in commit order and confirms the slot only after
+    /// JetStream acked; other relays stand by and take over when it dies.
+    LogTailing,
 }
 
 impl std::fmt::Display for Mode {
@@ -24,6 +28,7 @@ impl std::fmt::Display for Mode {
         match self {
             Mode::Ordered => f.write_str("ordered"),
             Mode::Unordered => f.write_str("unordered"),
+            Mode::LogTailing => f.write_str("log-tailing"),
         }
     }
 }
@@ -88,6 +93,19 @@ pub struct RelayConfig {
     pub stall_after: Duration,
     /// How often the backlog figures are refreshed (default 5 s).
     pub stats_interval: Duration,
+    /// The logical replication slot (log-tailing mode); `None` derives it from the table:
+    /// `outbox_slot` for `outbox` (see [`RelayConfig::slot_name`]).
+    pub slot: Option<String>,
+    /// The publication (log-tailing mode); `None` derives it from the table: `outbox_pub`.
+    pub publication: Option<String>,
+    /// Warn (and set `outbox_slot_lagging`) when the slot's unconfirmed WAL exceeds this many
+    /// bytes (log-tailing mode; default 1 GiB).
+    pub slot_lag_warn_bytes: u64,
+    /// How long captured rows stay in the table before the log-tailing relay deletes them
+    /// (default 1 h). Rows recorded with `Outbox::delete_after_insert` are gone at once.
+    pub captured_retention: Duration,
+    /// How often the log-tailing relay deletes captured rows (default 1 min).
+    pub captured_cleanup_interval: Duration,
 }
 
 impl RelayConfig {
@@ -114,7 +132,38 @@ impl RelayConfig {
             startup_timeout: Duration::from_secs(30),
             stall_after: Duration::from_secs(30),
             stats_interval: Duration::from_secs(5),
+            slot: None,
+            publication: None,
+            slot_lag_warn_bytes: 1 << 30,
+            captured_retention: Duration::from_secs(3600),
+            captured_cleanup_interval: Duration::from_secs(60),
         }
+    }
+
+    /// Sets [`RelayConfig::slot`] (log-tailing mode).
+    pub fn slot(mut self, name: impl Into<String>) -> Self {
+        self.slot = Some(name.into());
+        self
+    }
+
+    /// Sets [`RelayConfig::publication`] (log-tailing mode).
+    pub fn publication(mut self, name: impl Into<String>) -> Self {
+        self.publication = Some(name.into());
+        self
+    }
+
+    /// The replication slot log tailing reads: the configured slot or `{table}_slot`.
+    pub fn slot_name(&self) -> String {
+        self.slot
+            .clone()
+            .unwrap_or_else(|| outbox_diesel::wal::default_slot(&self.table))
+    }
+
+    /// The publication log tailing reads: the configured one or `{table}_pub`.
+    pub fn publication_name(&self) -> String {
+        self.publication
+            .clone()
+            .unwrap_or_else(|| outbox_diesel::wal::default_publication(&self.table))
     }
 
     /// Sets [`RelayConfig::table`].
@@ -159,9 +208,11 @@ impl RelayConfig {
         self
     }
 
-    /// Sets [`RelayConfig::lease`].
+    /// Sets [`RelayConfig::lease`], and lowers [`RelayConfig::max_backoff`] to a third of it
+    /// when it is longer: a relay backing off sends nothing, and must not outlive its lease.
     pub fn lease(mut self, d: Duration) -> Self {
         self.lease = d;
+        self.max_backoff = self.max_backoff.min(d / 3);
         self
     }
 
@@ -203,6 +254,16 @@ impl RelayConfig {
 
     /// Checks the values that have rules; the relay calls it before it starts.
     pub fn validate(&self) -> Result<(), String> {
+        if self.mode == Mode::LogTailing {
+            outbox_diesel::wal::check_slot_name(&self.slot_name())
+                .map_err(|e| format!("--slot: {e}"))?;
+            if self.publication_name().is_empty() {
+                return Err("--publication must not be empty".into());
+            }
+            if self.captured_cleanup_interval.is_zero() {
+                return Err("--captured-cleanup-interval must be above 0".into());
+            }
+        }
         if let Err(e) = outbox_diesel::check_subject_token(&self.subject_prefix) {
             return Err(format!(
                 "subject prefix {:?} {e}; use a single token such as `outbox`",

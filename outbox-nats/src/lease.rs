@@ -50,6 +50,7 @@ impl Lease {
              SET idle_in_transaction_session_timeout = {ms}"
         ))
         .await?;
+        outbox_diesel::relay::prepare_session(conn).await?;
         // PostgreSQL 14 and later; older servers only release on a dropped connection
         if let Err(e) = conn
             .batch_execute(&format!("SET idle_session_timeout = {ms}"))

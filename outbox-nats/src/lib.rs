@@ -19,6 +19,7 @@
 
 pub mod admin;
 mod config;
+pub mod consumer;
 mod connect;
 mod lease;
 pub mod metrics;
@@ -27,8 +28,10 @@ mod pipeline;
 pub mod publish;
 mod relay;
 pub mod subject;
+mod tailing;
 mod unordered;
 
 pub use config::{Mode, RelayConfig};
+pub use consumer::{Consumer, ConsumerConfig, Delivery};
 pub use connect::{ConnectError, NatsOptions, redact_url};
 pub use relay::{Health, Relay, RelayError};

@@ -26,6 +26,21 @@ pub const STALLED: &str = "outbox_stalled";
 /// Gauge: 1 when the oldest unpublished row is older than the stream's duplicate window.
 pub const BEYOND_DUPLICATE_WINDOW: &str = "outbox_backlog_beyond_duplicate_window";
 
+/// Gauge (log-tailing mode): bytes of WAL written since the slot's confirmed position.
+pub const SLOT_LAG_BYTES: &str = "outbox_slot_lag_bytes";
+/// Gauge (log-tailing mode): seconds since the oldest transaction read from the slot and not
+/// yet confirmed committed; 0 when the reader has confirmed everything it read.
+pub const SLOT_LAG_SECONDS: &str = "outbox_slot_lag_seconds";
+/// Gauge (log-tailing mode): bytes of WAL the slot keeps on disk.
+pub const SLOT_RETAINED_BYTES: &str = "outbox_slot_retained_bytes";
+/// Gauge (log-tailing mode): 1 when the slot lags past `--slot-lag-warn-bytes` or
+/// `--stall-after`.
+pub const SLOT_LAGGING: &str = "outbox_slot_lagging";
+/// Gauge (log-tailing mode): 1 while this relay is the slot's reader.
+pub const SLOT_READER: &str = "outbox_slot_reader";
+/// Counter (log-tailing mode): captured rows deleted from the table.
+pub const CAPTURED_DELETED: &str = "outbox_captured_rows_deleted_total";
+
 /// Registers the descriptions of every metric.
 pub fn describe() {
     use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
@@ -40,5 +55,11 @@ pub fn describe() {
     describe_gauge!(OLDEST_AGE, Unit::Seconds, "Age of the oldest unpublished row");
     describe_gauge!(PARKED_ROWS, Unit::Count, "Parked rows");
     describe_gauge!(STALLED, "1 when the oldest unpublished row is older than --stall-after");
+    describe_gauge!(SLOT_LAG_BYTES, Unit::Bytes, "WAL written since the slot's confirmed position");
+    describe_gauge!(SLOT_LAG_SECONDS, Unit::Seconds, "Age of the oldest unconfirmed transaction read from the slot");
+    describe_gauge!(SLOT_RETAINED_BYTES, Unit::Bytes, "WAL the slot keeps on disk");
+    describe_gauge!(SLOT_LAGGING, "1 when the slot lags past --slot-lag-warn-bytes or --stall-after");
+    describe_gauge!(SLOT_READER, "1 while this relay reads the slot");
+    describe_counter!(CAPTURED_DELETED, Unit::Count, "Captured rows deleted by log tailing");
     describe_gauge!(BEYOND_DUPLICATE_WINDOW, "1 when the backlog is older than the duplicate window");
 }

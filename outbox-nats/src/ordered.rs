@@ -5,7 +5,8 @@
 //! One session per process holds the process's membership lock and its partition locks, and
 //! reads every partition it owns with one query, so that losing the session loses every lease
 //! at once. Every `balance_interval` a relay counts the live relays of the table in
-//! `pg_locks`, keeps `ceil(N / relays)` partitions, releases the extra ones between batches
+//! `pg_locks`, keeps its share of the partitions (N / relays, the oldest relays one more when
+//! it does not divide), releases the extra ones between batches
 //! (after marking what it published) and takes free ones. A relay that starts with another
 //! partition count than an older running one waits until that one is gone: two partition
 //! counts at once would let two relays publish one aggregate.
@@ -24,7 +25,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 use crate::RelayConfig;
 use crate::lease::Lease;
 use crate::metrics as m;
-use crate::pipeline::publish_batch;
+use crate::pipeline::{BatchEnd, publish_batch};
 use crate::relay::{Backoff, Health, idle, listen, settle};
 
 pub(crate) struct Ordered {
@@ -100,10 +101,13 @@ impl Ordered {
         }
         let mut next_balance = Instant::now();
         let mut warned_conflict = false;
+        let mut held_back: Vec<String> = Vec::new();
         while !self.shutdown.is_cancelled() {
             if Instant::now() >= next_balance {
                 self.balance(conn, me.pid, owned, &mut lease, &mut warned_conflict)
                     .await?;
+                // parked rows change when this relay parks one, or when `retry` releases one
+                held_back = db::held_back_aggregates(conn, table).await?;
                 next_balance = Instant::now() + cfg.standby_interval;
             }
             if owned.is_empty() {
@@ -120,6 +124,7 @@ impl Ordered {
                 table,
                 &partitions,
                 cfg.partitions,
+                &held_back,
                 cfg.batch_size as i64,
             )
             .await?;
@@ -142,8 +147,12 @@ impl Ordered {
                 .await?;
             lease.confirm(started);
             debug!(acked = acked.len(), marked, "batch marked");
+            let parked = matches!(end, BatchEnd::RowFailed { .. });
             if !settle(conn, cfg, end, backoff, &self.shutdown).await? {
                 break;
+            }
+            if parked {
+                held_back = db::held_back_aggregates(conn, table).await?;
             }
         }
         // a clean stop: hand the partitions over at once
@@ -209,13 +218,14 @@ impl Ordered {
             .map(|m| m.pid)
             .collect();
         let count = peers.len().max(1);
-        let fair = (n as usize).div_ceil(count);
+        // the oldest `n % count` relays keep one partition more than the others
+        let rank = peers.iter().position(|&p| p == me).unwrap_or(0);
+        let fair = n as usize / count + usize::from(rank < n as usize % count);
         if owned.len() > fair {
             let extra = owned.len() - fair;
             self.release(conn, owned, extra).await?;
         } else if owned.len() < fair {
             // start where this relay's share would begin, to spread the first attempts
-            let rank = peers.iter().position(|&p| p == me).unwrap_or(0);
             let start = (rank * fair) as u32 % n;
             let mut taken = Vec::new();
             for k in 0..n {

@@ -17,6 +17,7 @@ use crate::metrics as m;
 use crate::ordered::Ordered;
 use crate::pipeline::BatchEnd;
 use crate::publish::{StreamInfo, ensure_stream};
+use crate::tailing::Tailing;
 use crate::unordered::Unordered;
 use crate::{Mode, RelayConfig};
 
@@ -51,6 +52,10 @@ pub enum RelayError {
     /// The stream could not be found or made, or does not capture the subjects.
     #[error(transparent)]
     Stream(#[from] crate::publish::StreamError),
+    /// Log tailing cannot read the table's changes: `wal_level`, rights, the publication or
+    /// the slot (the message says what to change).
+    #[error(transparent)]
+    LogTailing(#[from] outbox_diesel::wal::WalError),
     /// JetStream did not answer within the start-up timeout.
     #[error(
         "NATS JetStream did not answer within {0:?}; is nats-server running with -js, and is --nats-url (NATS_URL) right?"
@@ -131,6 +136,9 @@ impl Relay {
         let js = jetstream::new(self.nats.clone());
         let stream = self.startup(&js, &shutdown).await?;
         let Some(stream) = stream else { return Ok(()) };
+        if cfg.mode == Mode::LogTailing {
+            self.check_log_tailing().await?;
+        }
         info!(
             stream = %stream.name,
             created = stream.created,
@@ -169,19 +177,54 @@ impl Relay {
                     );
                 }
             }
+            Mode::LogTailing => {
+                let tailing = Tailing {
+                    cfg: cfg.clone(),
+                    js: js.clone(),
+                    health: self.health.clone(),
+                    shutdown: shutdown.clone(),
+                };
+                tasks.spawn(
+                    tailing
+                        .run()
+                        .instrument(info_span!("outbox.tailing", outbox.slot = %cfg.slot_name())),
+                );
+            }
         }
-        tasks.spawn(stats(
-            cfg.clone(),
-            self.health.clone(),
-            stream.duplicate_window,
-            shutdown.clone(),
-        ));
+        // log tailing never marks rows: its lag is the slot's, which it reports itself
+        if cfg.mode != Mode::LogTailing {
+            tasks.spawn(stats(
+                cfg.clone(),
+                self.health.clone(),
+                stream.duplicate_window,
+                shutdown.clone(),
+            ));
+        }
         while let Some(done) = tasks.join_next().await {
             if let Err(e) = done {
                 error!(error = %e, "relay task failed");
             }
         }
         info!("outbox relay stopped");
+        Ok(())
+    }
+
+    /// Log tailing's start-up check: `wal_level`, the publication and the slot (created when
+    /// missing), so that what retrying cannot fix stops the relay with a clear error.
+    async fn check_log_tailing(&self) -> Result<(), RelayError> {
+        let cfg = &self.config;
+        let mut conn = AsyncPgConnection::establish(&cfg.database_url)
+            .await
+            .map_err(|e| RelayError::Database {
+                timeout: cfg.startup_timeout,
+                source: e,
+            })?;
+        let mut reader = outbox_diesel::wal::WalReader::new(
+            cfg.table.clone(),
+            cfg.slot_name(),
+            cfg.publication_name(),
+        );
+        reader.setup(&mut conn).await?;
         Ok(())
     }
 

@@ -23,7 +23,7 @@ CREATE TABLE outbox (
     CONSTRAINT outbox_headers_is_an_object CHECK (jsonb_typeof(headers) = 'object')
 );
 CREATE INDEX outbox_unpublished ON outbox (seq) WHERE published_at IS NULL;
-CREATE INDEX outbox_parked ON outbox (aggregate_type, aggregate_id, seq) WHERE parked_at IS NOT NULL;
+CREATE INDEX outbox_parked ON outbox (aggregate_type, aggregate_id) WHERE parked_at IS NOT NULL;
 CREATE INDEX outbox_published ON outbox (published_at) WHERE published_at IS NOT NULL;
 -- a hot queue table: vacuum it after a fixed number of dead rows, not a fraction of its size
 ALTER TABLE outbox SET (autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 1000,

@@ -171,6 +171,28 @@ struct RunArgs {
     /// Log format.
     #[arg(long, env = "OUTBOX_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
+    #[command(flatten)]
+    log_tailing: LogTailingArgs,
+}
+
+/// The log-tailing mode's flags.
+#[derive(Debug, Args)]
+struct LogTailingArgs {
+    /// Replication slot read in log-tailing mode (default `{table}_slot`); created when missing.
+    #[arg(long, env = "OUTBOX_SLOT")]
+    slot: Option<String>,
+    /// Publication read in log-tailing mode (default `{table}_pub`); created when missing.
+    #[arg(long, env = "OUTBOX_PUBLICATION")]
+    publication: Option<String>,
+    /// Warn when the slot's unconfirmed WAL exceeds this many bytes (log-tailing mode).
+    #[arg(long, env = "OUTBOX_SLOT_LAG_WARN_BYTES", default_value_t = 1 << 30)]
+    slot_lag_warn_bytes: u64,
+    /// How long captured rows stay in the table before deletion (log-tailing mode).
+    #[arg(long, env = "OUTBOX_CAPTURED_RETENTION", default_value = "1h", value_parser = humantime::parse_duration)]
+    captured_retention: Duration,
+    /// How often captured rows are deleted (log-tailing mode).
+    #[arg(long, env = "OUTBOX_CAPTURED_CLEANUP_INTERVAL", default_value = "1m", value_parser = humantime::parse_duration)]
+    captured_cleanup_interval: Duration,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -179,6 +201,9 @@ enum CliMode {
     Ordered,
     /// Competing workers (FOR UPDATE SKIP LOCKED): no order per aggregate.
     Unordered,
+    /// One reader per replication slot reads the WAL (pgoutput) in commit order; other
+    /// relays stand by.
+    LogTailing,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -194,9 +219,23 @@ struct StatusArgs {
     /// Print JSON.
     #[arg(long)]
     json: bool,
-    /// Exit 1 when the oldest unpublished row is older than this.
+    /// Exit 1 when the oldest unpublished row (or, with a replication slot, the oldest
+    /// unconfirmed transaction) is older than this.
     #[arg(long, env = "OUTBOX_STALL_AFTER", default_value = "30s", value_parser = humantime::parse_duration)]
     stall_after: Duration,
+    /// The relay's mode: in log-tailing mode rows are never marked published, so only the
+    /// slot's lag counts.
+    #[arg(long, env = "OUTBOX_MODE", value_enum, default_value_t = CliMode::Ordered)]
+    mode: CliMode,
+    /// Replication slot to report on (default `{table}_slot`; shown when it exists).
+    #[arg(long, env = "OUTBOX_SLOT")]
+    slot: Option<String>,
+    /// Publication of the slot (default `{table}_pub`).
+    #[arg(long, env = "OUTBOX_PUBLICATION")]
+    publication: Option<String>,
+    /// Warn when the slot's unconfirmed WAL exceeds this many bytes.
+    #[arg(long, env = "OUTBOX_SLOT_LAG_WARN_BYTES", default_value_t = 1 << 30)]
+    slot_lag_warn_bytes: u64,
 }
 
 fn main() -> ExitCode {
@@ -247,9 +286,15 @@ async fn run(args: RunArgs) -> ExitCode {
     config.mode = match args.mode {
         CliMode::Ordered => Mode::Ordered,
         CliMode::Unordered => Mode::Unordered,
+        CliMode::LogTailing => Mode::LogTailing,
     };
+    config.slot = args.log_tailing.slot.clone();
+    config.publication = args.log_tailing.publication.clone();
+    config.slot_lag_warn_bytes = args.log_tailing.slot_lag_warn_bytes;
+    config.captured_retention = args.log_tailing.captured_retention;
+    config.captured_cleanup_interval = args.log_tailing.captured_cleanup_interval;
     config.workers = args.workers;
-    config.lease = args.lease;
+    config = config.lease(args.lease);
     config.max_in_flight = args.max_in_flight;
     config.max_attempts = args.max_attempts;
     config.stall_after = args.stall_after;
@@ -368,6 +413,52 @@ struct Status {
     stalled: bool,
     stall_after_seconds: f64,
     owners: Vec<db::PartitionOwner>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    slot: Option<SlotStatus>,
+}
+
+/// A replication slot's figures in `status`.
+#[derive(serde::Serialize)]
+struct SlotStatus {
+    #[serde(flatten)]
+    lag: outbox_diesel::wal::SlotLag,
+    /// Seconds since the oldest unconfirmed transaction committed; `None` when it could not
+    /// be read (the reader held the slot at each try, or the role lacks REPLICATION).
+    lag_seconds: Option<f64>,
+    /// Past --slot-lag-warn-bytes or --stall-after.
+    lagging: bool,
+}
+
+/// The slot's lag, when the slot exists. Reading its age decodes up to one transaction and
+/// needs the slot for an instant: a few tries step around the relay's own reads.
+async fn slot_status(conn: &mut AsyncPgConnection, args: &StatusArgs) -> Option<SlotStatus> {
+    use outbox_diesel::wal;
+    let slot = args
+        .slot
+        .clone()
+        .unwrap_or_else(|| wal::default_slot(&args.db.table));
+    let publication = args
+        .publication
+        .clone()
+        .unwrap_or_else(|| wal::default_publication(&args.db.table));
+    let lag = wal::slot_lag(conn, &slot).await.ok().flatten()?;
+    let mut lag_seconds = None;
+    for _ in 0..5 {
+        match wal::pending_age_seconds(conn, &slot, &publication).await {
+            Ok(s) => {
+                lag_seconds = Some(s);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(30)).await,
+        }
+    }
+    let lagging = lag.lag_bytes as u64 > args.slot_lag_warn_bytes
+        || lag_seconds.is_some_and(|s| s > args.stall_after.as_secs_f64());
+    Some(SlotStatus {
+        lag,
+        lag_seconds,
+        lagging,
+    })
 }
 
 fn fail(command: &str, msg: String) -> ExitCode {
@@ -467,13 +558,22 @@ async fn status(args: StatusArgs) -> ExitCode {
     let owners = db::partition_owners(&mut conn, table)
         .await
         .unwrap_or_default();
-    let stalled = backlog.oldest_age_seconds > args.stall_after.as_secs_f64();
+    let slot = slot_status(&mut conn, &args).await;
+    let slot_stalled = slot
+        .as_ref()
+        .and_then(|s| s.lag_seconds)
+        .is_some_and(|s| s > args.stall_after.as_secs_f64());
+    let stalled = match args.mode {
+        CliMode::LogTailing => slot_stalled,
+        _ => backlog.oldest_age_seconds > args.stall_after.as_secs_f64() || slot_stalled,
+    };
     let status = Status {
         table: table.to_string(),
         backlog,
         stalled,
         stall_after_seconds: args.stall_after.as_secs_f64(),
         owners,
+        slot,
     };
     if args.json {
         match serde_json::to_string_pretty(&status) {
@@ -500,6 +600,35 @@ async fn status(args: StatusArgs) -> ExitCode {
                 o.application_name.as_deref().unwrap_or("-"),
                 o.client_addr.as_deref().unwrap_or("local")
             );
+        }
+        if let Some(s) = &status.slot {
+            let l = &s.lag;
+            println!("slot             {}", l.slot);
+            println!(
+                "slot confirmed   {}",
+                l.confirmed_flush_lsn.as_deref().unwrap_or("-")
+            );
+            println!("slot lag         {} bytes", l.lag_bytes);
+            match s.lag_seconds {
+                Some(secs) => println!("slot lag age     {secs:.3}s"),
+                None => println!("slot lag age     unknown (slot busy, or no REPLICATION right)"),
+            }
+            println!("slot retains     {} bytes of WAL", l.retained_bytes);
+            println!(
+                "slot wal status  {} (safe for {} more bytes)",
+                l.wal_status.as_deref().unwrap_or("-"),
+                l.safe_wal_size
+                    .map_or_else(|| "unlimited".to_owned(), |b| b.to_string())
+            );
+            match l.reader_pid {
+                Some(pid) => println!("slot reader      pid {pid}"),
+                None => println!("slot reader      none: no relay reads the slot"),
+            }
+            if s.lagging {
+                println!(
+                    "WARNING          the slot lags: PostgreSQL keeps its WAL until a relay confirms it; see max_slot_wal_keep_size"
+                );
+            }
         }
     }
     if stalled {

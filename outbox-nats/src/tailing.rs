@@ -1,0 +1,430 @@
+//! The `log-tailing` mode: one reader per logical replication slot reads the outbox table's
+//! committed inserts from the WAL in commit order, publishes them with the same contract as
+//! the polling modes, and confirms the slot only past transactions JetStream acked whole.
+//!
+//! One reader per slot: the reader holds the session advisory lock
+//! `(outbox_diesel::wal::SLOT_LOCK_KEY, hashtext(slot))`, a key apart from the ordered mode's
+//! partition locks (which use the table's OID). Other relays in this mode stand by, trying the
+//! lock every `standby_interval`; PostgreSQL releases it when the reader's connection drops,
+//! and ends a silent reader's session after the lease (see `lease.rs`), so a paused reader is
+//! replaced and, having no recent answer from its session, publishes nothing when it wakes.
+//!
+//! A crash can only repeat, never skip: the slot's confirmed position moves only to the end
+//! of a transaction whose events, and every earlier transaction's, JetStream acked. The next
+//! reader reads from there; what was published after it is published again, and JetStream
+//! drops it within the duplicate window.
+//!
+//! Poison events: the log cannot leave one event behind and go on in order, so a row
+//! JetStream keeps rejecting holds the reader (retried with backoff) until `max_attempts`,
+//! then is parked: written back to the outbox table with `parked_at` and its error, counted
+//! and logged, and passed over. Later events of its aggregate are not held back in this mode.
+//! `outbox-relay retry` releases it (an UPDATE, which the reader sees and publishes then).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use async_nats::jetstream;
+use chrono::{DateTime, Utc};
+use diesel_async::{AsyncConnection, AsyncPgConnection};
+use outbox_diesel::relay::OutboxRow;
+use outbox_diesel::wal::{self, Lsn, WalBatch, WalError, WalReader};
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, debug, error, info, info_span, warn};
+use uuid::Uuid;
+
+use crate::RelayConfig;
+use crate::lease::Lease;
+use crate::metrics as m;
+use crate::pipeline::{BatchEnd, publish_batch};
+use crate::relay::{Backoff, Health, idle, listen};
+
+pub(crate) struct Tailing {
+    pub(crate) cfg: Arc<RelayConfig>,
+    pub(crate) js: jetstream::Context,
+    pub(crate) health: Arc<Health>,
+    pub(crate) shutdown: CancellationToken,
+}
+
+/// What the reader remembers between reads.
+#[derive(Debug, Default)]
+struct State {
+    /// The slot's confirmed position.
+    confirmed: Lsn,
+    /// The highest `seq` confirmed: captured rows up to it may be deleted.
+    max_confirmed_seq: i64,
+    /// Commit time of the oldest transaction read and not confirmed.
+    oldest_unconfirmed: Option<DateTime<Utc>>,
+    /// Failed attempts of events that JetStream rejected.
+    attempts: HashMap<Uuid, u32>,
+    /// Parked events, by id and the end of their transaction, passed over until confirmed.
+    parked: HashSet<(Uuid, Lsn)>,
+}
+
+impl Tailing {
+    pub(crate) async fn run(self) {
+        let mut backoff = Backoff::new(self.cfg.max_backoff);
+        self.set_reader(false);
+        while !self.shutdown.is_cancelled() {
+            let mut conn = match AsyncPgConnection::establish(&self.cfg.database_url).await {
+                Ok(c) => c,
+                Err(e) => {
+                    self.health.database_ok.store(false, Ordering::Relaxed);
+                    warn!(error = %e, "cannot connect to PostgreSQL; retrying");
+                    if !backoff.sleep(&self.shutdown).await {
+                        break;
+                    }
+                    continue;
+                }
+            };
+            self.health.database_ok.store(true, Ordering::Relaxed);
+            let result = self.session(&mut conn, &mut backoff).await;
+            self.set_reader(false);
+            if let Err(e) = result {
+                self.health.database_ok.store(false, Ordering::Relaxed);
+                match e {
+                    WalError::Query(e) => {
+                        warn!(error = %e, "database session lost; the slot is free for a standby; reconnecting")
+                    }
+                    e => error!(error = %e, "log tailing cannot go on; retrying"),
+                }
+                if !backoff.sleep(&self.shutdown).await {
+                    break;
+                }
+            }
+        }
+        self.health.standby.store(0, Ordering::Relaxed);
+    }
+
+    fn set_reader(&self, reader: bool) {
+        self.health.owned.store(usize::from(reader), Ordering::Relaxed);
+        self.health
+            .standby
+            .store(usize::from(!reader), Ordering::Relaxed);
+        metrics::gauge!(m::SLOT_READER).set(if reader { 1.0 } else { 0.0 });
+        metrics::gauge!(m::PARTITIONS_OWNED).set(if reader { 1.0 } else { 0.0 });
+    }
+
+    async fn session(
+        &self,
+        conn: &mut AsyncPgConnection,
+        backoff: &mut Backoff,
+    ) -> Result<(), WalError> {
+        let cfg = &*self.cfg;
+        let slot = cfg.slot_name();
+        let mut lease = Lease::new(cfg.lease);
+        lease.configure(conn).await?;
+        // stand by until this session holds the slot's lock
+        let mut announced = false;
+        loop {
+            if self.shutdown.is_cancelled() {
+                return Ok(());
+            }
+            let started = Instant::now();
+            let mine = wal::try_lock_slot(conn, &slot).await?;
+            lease.confirm(started);
+            if mine {
+                break;
+            }
+            if !announced {
+                info!(slot = %slot, "another relay reads the slot; standing by");
+                announced = true;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(cfg.standby_interval) => {}
+                _ = self.shutdown.cancelled() => return Ok(()),
+            }
+        }
+        let mut reader = WalReader::new(cfg.table.clone(), slot.clone(), cfg.publication_name());
+        if let Some(at) = reader.setup(conn).await? {
+            let before = wal::rows_before_slot(conn, &cfg.table).await?;
+            if before > 0 {
+                warn!(slot = %slot, lsn = %at, rows = before, "the slot was just created: it reads what commits from now on; rows recorded before it and not marked published by a polling relay are not relayed by log tailing (drain them with a polling relay once)");
+            }
+        }
+        if cfg.listen {
+            listen(conn, &cfg.table).await?;
+        }
+        self.set_reader(true);
+        info!(slot = %slot, publication = %reader.publication(), "reading the slot");
+        let result = self.read_loop(conn, &mut reader, &mut lease, backoff).await;
+        if result.is_ok() {
+            // a clean stop: hand the slot over at once
+            wal::unlock_slot(conn, &slot).await?;
+            info!(slot = %slot, "slot released");
+        }
+        result
+    }
+
+    async fn read_loop(
+        &self,
+        conn: &mut AsyncPgConnection,
+        reader: &mut WalReader,
+        lease: &mut Lease,
+        backoff: &mut Backoff,
+    ) -> Result<(), WalError> {
+        let cfg = &*self.cfg;
+        let mut state = State {
+            confirmed: reader.confirmed(conn).await?.unwrap_or_default(),
+            ..State::default()
+        };
+        let mut next_stats = Instant::now();
+        let mut next_cleanup = Instant::now() + cfg.captured_cleanup_interval;
+        while !self.shutdown.is_cancelled() {
+            if Instant::now() >= next_stats {
+                self.stats(conn, reader.slot(), &state).await?;
+                next_stats = Instant::now() + cfg.stats_interval;
+            }
+            if Instant::now() >= next_cleanup {
+                self.cleanup(conn, &state).await?;
+                next_cleanup = Instant::now() + cfg.captured_cleanup_interval;
+            }
+            let started = Instant::now();
+            let batch = reader.read(conn, cfg.batch_size).await?;
+            lease.confirm(started);
+            let (rows, txn_of) = pending_rows(&batch, &state.parked);
+            let (acked, end) = if rows.is_empty() {
+                (Vec::new(), BatchEnd::Done)
+            } else {
+                let span = info_span!(
+                    "outbox.batch",
+                    batch.len = rows.len(),
+                    batch.transactions = batch.transactions.len()
+                );
+                publish_batch(&self.js, cfg, &rows, lease, &self.shutdown)
+                    .instrument(span)
+                    .await
+            };
+            let (confirm_to, max_seq, first_open) = confirmable(&batch, &rows, &txn_of, &acked);
+            state.oldest_unconfirmed =
+                first_open.and_then(|i| batch.transactions.get(i).map(|t| t.commit_time));
+            if let Some(to) = confirm_to
+                && to > state.confirmed
+            {
+                let started = Instant::now();
+                state.confirmed = reader.advance(conn, to).await?;
+                lease.confirm(started);
+                state.max_confirmed_seq = state.max_confirmed_seq.max(max_seq);
+                let confirmed = state.confirmed;
+                state.parked.retain(|(_, lsn)| *lsn > confirmed);
+                debug!(lsn = %state.confirmed, acked = acked.len(), "slot confirmed");
+            }
+            for seq in &acked {
+                if let Some(r) = rows.iter().find(|r| r.seq == *seq) {
+                    state.attempts.remove(&r.id);
+                }
+            }
+            match end {
+                BatchEnd::Done => {
+                    backoff.reset();
+                    if batch.transactions.is_empty() && batch.messages < cfg.batch_size {
+                        idle(conn, cfg, &self.shutdown, Instant::now() + cfg.poll_interval).await;
+                    }
+                }
+                BatchEnd::LeaseUnconfirmed => {}
+                BatchEnd::Transient => {
+                    if !backoff.sleep(&self.shutdown).await {
+                        break;
+                    }
+                }
+                BatchEnd::RowFailed {
+                    seq,
+                    error,
+                    park_now,
+                    ..
+                } => {
+                    let Some(i) = rows.iter().position(|r| r.seq == seq && !acked.contains(&seq))
+                    else {
+                        continue;
+                    };
+                    let row = &rows[i];
+                    let end_lsn = batch.transactions[txn_of[i]].end_lsn;
+                    let n = state.attempts.entry(row.id).or_insert(0);
+                    *n += 1;
+                    let n = *n;
+                    if park_now || n >= cfg.max_attempts {
+                        wal::park(conn, &cfg.table, row, n as i32, &error).await?;
+                        state.attempts.remove(&row.id);
+                        state.parked.insert((row.id, end_lsn));
+                        metrics::counter!(m::ROWS_PARKED).increment(1);
+                        error!(outbox.seq = seq, outbox.id = %row.id, error = %error, "event parked: JetStream keeps rejecting it, so log tailing passes over it (later events of its aggregate are not held back); `outbox-relay parked` lists it, `outbox-relay retry` publishes it again");
+                    } else {
+                        warn!(outbox.seq = seq, attempts = n, error = %error, "publish rejected; the slot waits and retries");
+                        if !backoff.sleep(&self.shutdown).await {
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Refreshes the slot's lag figures and warns when it lags.
+    async fn stats(
+        &self,
+        conn: &mut AsyncPgConnection,
+        slot: &str,
+        state: &State,
+    ) -> Result<(), WalError> {
+        let cfg = &*self.cfg;
+        let lag_seconds = state
+            .oldest_unconfirmed
+            .map(|t| (Utc::now() - t).to_std().unwrap_or_default().as_secs_f64())
+            .unwrap_or(0.0);
+        metrics::gauge!(m::SLOT_LAG_SECONDS).set(lag_seconds);
+        let Some(lag) = wal::slot_lag(conn, slot).await? else {
+            return Ok(());
+        };
+        metrics::gauge!(m::SLOT_LAG_BYTES).set(lag.lag_bytes as f64);
+        metrics::gauge!(m::SLOT_RETAINED_BYTES).set(lag.retained_bytes as f64);
+        let lagging = lag.lag_bytes as u64 > cfg.slot_lag_warn_bytes
+            || lag_seconds > cfg.stall_after.as_secs_f64();
+        metrics::gauge!(m::SLOT_LAGGING).set(if lagging { 1.0 } else { 0.0 });
+        metrics::gauge!(m::STALLED).set(if lag_seconds > cfg.stall_after.as_secs_f64() {
+            1.0
+        } else {
+            0.0
+        });
+        if lagging {
+            warn!(slot, lag_bytes = lag.lag_bytes, lag_seconds, retained_bytes = lag.retained_bytes, "the replication slot lags: PostgreSQL keeps its WAL until the relay confirms it (see max_slot_wal_keep_size)");
+        }
+        if matches!(lag.wal_status.as_deref(), Some("unreserved" | "lost")) {
+            error!(slot, wal_status = ?lag.wal_status, "the replication slot is about to lose (or lost) WAL it needs: max_slot_wal_keep_size is reached");
+        }
+        Ok(())
+    }
+
+    /// Deletes captured rows older than the retention, in batches.
+    async fn cleanup(&self, conn: &mut AsyncPgConnection, state: &State) -> Result<(), WalError> {
+        if state.max_confirmed_seq <= 0 {
+            return Ok(());
+        }
+        const LIMIT: i64 = 5_000;
+        loop {
+            let n = wal::delete_captured(
+                conn,
+                &self.cfg.table,
+                state.max_confirmed_seq,
+                self.cfg.captured_retention,
+                LIMIT,
+            )
+            .await?;
+            metrics::counter!(m::CAPTURED_DELETED).increment(n as u64);
+            if n > 0 {
+                debug!(deleted = n, "captured rows deleted");
+            }
+            if (n as i64) < LIMIT || self.shutdown.is_cancelled() {
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// The rows to publish, in commit order, without parked ones, and each row's transaction.
+fn pending_rows(batch: &WalBatch, parked: &HashSet<(Uuid, Lsn)>) -> (Vec<OutboxRow>, Vec<usize>) {
+    let mut rows = Vec::new();
+    let mut txn_of = Vec::new();
+    for (t, tx) in batch.transactions.iter().enumerate() {
+        for row in &tx.rows {
+            if !parked.contains(&(row.id, tx.end_lsn)) {
+                rows.push(row.clone());
+                txn_of.push(t);
+            }
+        }
+    }
+    (rows, txn_of)
+}
+
+/// How far the slot may be confirmed: past the longest run of transactions whose rows were
+/// all acked (and past the whole read when every one was). Returns that position, the highest
+/// `seq` in it, and the first transaction not confirmed.
+fn confirmable(
+    batch: &WalBatch,
+    rows: &[OutboxRow],
+    txn_of: &[usize],
+    acked: &[i64],
+) -> (Option<Lsn>, i64, Option<usize>) {
+    let mut acked_left: HashMap<i64, usize> = HashMap::new();
+    for seq in acked {
+        *acked_left.entry(*seq).or_default() += 1;
+    }
+    let mut complete = vec![true; batch.transactions.len()];
+    for (row, &t) in rows.iter().zip(txn_of) {
+        match acked_left.get_mut(&row.seq) {
+            Some(n) if *n > 0 => *n -= 1,
+            _ => complete[t] = false,
+        }
+    }
+    let mut to = None;
+    let mut max_seq = 0;
+    for (t, tx) in batch.transactions.iter().enumerate() {
+        if !complete[t] {
+            return (to, max_seq, Some(t));
+        }
+        to = Some(tx.end_lsn);
+        max_seq = tx.rows.iter().map(|r| r.seq).fold(max_seq, i64::max);
+    }
+    (to.max(batch.caught_up_to), max_seq, None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use outbox_diesel::wal::Transaction;
+
+    fn row(seq: i64) -> OutboxRow {
+        OutboxRow {
+            seq,
+            id: Uuid::now_v7(),
+            aggregate_type: "a".into(),
+            aggregate_id: "1".into(),
+            event_type: "e".into(),
+            payload: serde_json::json!({}),
+            headers: serde_json::json!({}),
+            created_at: Utc::now(),
+            attempts: 0,
+        }
+    }
+
+    fn batch() -> WalBatch {
+        let tx = |end: u64, seqs: &[i64]| Transaction {
+            xid: end as u32,
+            end_lsn: Lsn(end),
+            commit_time: Utc::now(),
+            rows: seqs.iter().map(|&s| row(s)).collect(),
+        };
+        WalBatch {
+            // commit order differs from seq order
+            transactions: vec![tx(100, &[5, 6]), tx(200, &[3]), tx(300, &[7])],
+            caught_up_to: Some(Lsn(400)),
+            messages: 10,
+        }
+    }
+
+    #[test]
+    fn confirms_only_past_whole_acked_transactions() {
+        let b = batch();
+        let (rows, txn_of) = pending_rows(&b, &HashSet::new());
+        assert_eq!(rows.iter().map(|r| r.seq).collect::<Vec<_>>(), [5, 6, 3, 7]);
+        // all acked: past the whole read
+        assert_eq!(confirmable(&b, &rows, &txn_of, &[5, 6, 3, 7]), (Some(Lsn(400)), 7, None));
+        // 6 failed while 3 and 7 were acked: nothing past the first transaction's start
+        assert_eq!(confirmable(&b, &rows, &txn_of, &[5, 3, 7]), (None, 0, Some(0)));
+        // the last transaction is not acked yet
+        assert_eq!(confirmable(&b, &rows, &txn_of, &[5, 6, 3]), (Some(Lsn(200)), 6, Some(2)));
+        assert_eq!(confirmable(&b, &rows, &txn_of, &[]), (None, 0, Some(0)));
+    }
+
+    #[test]
+    fn parked_events_are_passed_over_in_their_transaction_only() {
+        let b = batch();
+        let parked: HashSet<_> = [(b.transactions[0].rows[1].id, Lsn(100))].into();
+        let (rows, txn_of) = pending_rows(&b, &parked);
+        assert_eq!(rows.iter().map(|r| r.seq).collect::<Vec<_>>(), [5, 3, 7]);
+        assert_eq!(confirmable(&b, &rows, &txn_of, &[5, 3, 7]).0, Some(Lsn(400)));
+        let elsewhere: HashSet<_> = [(b.transactions[0].rows[1].id, Lsn(200))].into();
+        assert_eq!(pending_rows(&b, &elsewhere).0.len(), 4);
+    }
+}
