@@ -1,0 +1,747 @@
+//! Benchmarks of the outbox, each figure printed beside a baseline measured in the same run.
+//!
+//! ```sh
+//! cargo run --release --example bench            # the full run (BENCHMARKS.md)
+//! cargo run --release --example bench -- --quick # a smaller one, a minute or two
+//! ```
+//!
+//! It needs PostgreSQL (`DATABASE_URL` without a database name, default
+//! `postgres://postgres@127.0.0.1:5432`) and NATS with JetStream (`NATS_URL`, default
+//! `nats://127.0.0.1:4222`). It creates a database and streams of its own and removes them at
+//! the end. Sections:
+//!
+//! 1. relay throughput (300-byte JSON payloads, file storage, dedup on) per mode, against a bare
+//!    async-nats program publishing the same messages with the same headers and window;
+//! 2. commit-to-ack latency at a steady rate of committed transactions, with `NOTIFY` wake-up and
+//!    poll-only;
+//! 3. write-path cost: business transactions per second alone, with a hand-written Diesel insert
+//!    of the outbox row, and with `record_event` (sync and async), 8 writers;
+//! 4. the poll query's time with published rows kept and with an unpublished backlog;
+//! 5. the relay's peak memory while draining a backlog (the `outbox-relay` binary).
+//!
+//! Machines are noisy: compare the ratios, not the absolute figures, across runs.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use async_nats::jetstream;
+use clap::Parser;
+use diesel::{Connection, ExpressionMethods, PgConnection, QueryableByName};
+use diesel_async::{AsyncConnection, AsyncPgConnection};
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
+use outbox_diesel::{AsyncOutboxExt, Notify, Outbox, OutboxEvent, OutboxExt};
+use outbox_nats::{Mode, Relay, RelayConfig};
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Parser, Debug)]
+#[command(about = "Benchmarks of the outbox against same-run baselines")]
+struct Args {
+    /// PostgreSQL server URL, without a database.
+    #[arg(
+        long,
+        env = "BENCH_PG",
+        default_value = "postgres://postgres@127.0.0.1:5432"
+    )]
+    pg: String,
+    /// NATS server URL.
+    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    nats_url: String,
+    /// Events per throughput run.
+    #[arg(long, default_value_t = 100_000)]
+    events: usize,
+    /// Published rows kept for the poll-cost section.
+    #[arg(long, default_value_t = 1_000_000)]
+    kept: usize,
+    /// Backlog drained for the memory section.
+    #[arg(long, default_value_t = 1_000_000)]
+    memory_backlog: usize,
+    /// Seconds per write-path measurement.
+    #[arg(long, default_value_t = 5)]
+    seconds: u64,
+    /// A smaller run: 20k events, 200k kept rows, 100k backlog, 3 s per write-path figure.
+    #[arg(long)]
+    quick: bool,
+    /// Only these sections (1-5), comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<u8>,
+}
+
+#[derive(Serialize, OutboxEvent, Clone)]
+#[outbox(aggregate_type = "order", event_type = "order.placed")]
+struct OrderPlaced {
+    #[outbox(aggregate_id)]
+    order_id: String,
+    customer: String,
+    note: String,
+}
+
+/// About 300 bytes of JSON.
+fn event(i: usize) -> OrderPlaced {
+    OrderPlaced {
+        order_id: format!("order-{}", i % 1000),
+        customer: format!("customer-{i:08}"),
+        note: "x".repeat(230),
+    }
+}
+
+struct Bench {
+    args: Args,
+    db_name: String,
+    db_url: String,
+    nats: async_nats::Client,
+    js: jetstream::Context,
+    streams: Vec<String>,
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    use diesel::RunQueryDsl;
+    let mut args = Args::parse();
+    if args.quick {
+        args.events = 20_000;
+        args.kept = 200_000;
+        args.memory_backlog = 100_000;
+        args.seconds = 3;
+    }
+    let db_name = format!("outbox_bench_{}", std::process::id());
+    let mut admin = PgConnection::establish(&format!("{}/postgres", args.pg))
+        .with_context(|| format!("cannot reach PostgreSQL at {}; set BENCH_PG", args.pg))?;
+    diesel::sql_query(format!("CREATE DATABASE {db_name}")).execute(&mut admin)?;
+    let db_url = format!("{}/{db_name}", args.pg);
+    let nats = async_nats::connect(&args.nats_url)
+        .await
+        .with_context(|| format!("cannot reach NATS at {}; set NATS_URL", args.nats_url))?;
+    let js = jetstream::new(nats.clone());
+    let mut bench = Bench {
+        args,
+        db_name,
+        db_url,
+        nats,
+        js,
+        streams: Vec::new(),
+    };
+    let result = bench.run().await;
+    bench.cleanup(&mut admin).await;
+    result
+}
+
+impl Bench {
+    fn wants(&self, section: u8) -> bool {
+        self.args.only.is_empty() || self.args.only.contains(&section)
+    }
+
+    async fn run(&mut self) -> Result<()> {
+        let mut conn = PgConnection::establish(&self.db_url)?;
+        outbox_diesel::run_migrations(&mut conn).map_err(|e| anyhow::anyhow!("{e}"))?;
+        println!("# outbox benchmarks");
+        println!(
+            "machine: {} cores; {}",
+            num_cpus(),
+            server_versions(&mut conn, &self.nats)
+        );
+        if self.wants(1) {
+            self.throughput().await?;
+        }
+        if self.wants(2) {
+            self.latency().await?;
+        }
+        if self.wants(3) {
+            self.write_path().await?;
+        }
+        if self.wants(4) {
+            self.poll_cost().await?;
+        }
+        if self.wants(5) {
+            self.memory().await?;
+        }
+        Ok(())
+    }
+
+    async fn cleanup(&mut self, admin: &mut PgConnection) {
+        use diesel::RunQueryDsl;
+        for s in &self.streams {
+            let _ = self.js.delete_stream(s).await;
+        }
+        let _ = diesel::sql_query(format!(
+            "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+            self.db_name
+        ))
+        .execute(admin);
+    }
+
+    async fn stream(&mut self, name: &str, prefix: &str) -> Result<()> {
+        let _ = self.js.delete_stream(name).await;
+        self.js
+            .create_stream(jetstream::stream::Config {
+                name: name.into(),
+                subjects: vec![format!("{prefix}.>")],
+                storage: jetstream::stream::StorageType::File,
+                duplicate_window: Duration::from_secs(120),
+                ..Default::default()
+            })
+            .await?;
+        self.streams.push(name.into());
+        Ok(())
+    }
+
+    fn reset_outbox(&self) -> Result<()> {
+        use diesel::RunQueryDsl;
+        let mut conn = PgConnection::establish(&self.db_url)?;
+        diesel::sql_query("TRUNCATE outbox").execute(&mut conn)?;
+        Ok(())
+    }
+
+    /// Fills the outbox with `n` unpublished rows of ~300 bytes, as SQL.
+    fn fill(&self, n: usize, published: bool) -> Result<()> {
+        use diesel::RunQueryDsl;
+        let mut conn = PgConnection::establish(&self.db_url)?;
+        let chunk = 200_000;
+        let mut done = 0;
+        while done < n {
+            let m = chunk.min(n - done);
+            diesel::sql_query(format!(
+                "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, published_at) \
+                 SELECT gen_random_uuid(), 'order', 'order-' || (i % 1000), 'order.placed', \
+                 jsonb_build_object('order_id', 'order-' || (i % 1000), 'customer', 'customer-' || i, 'note', repeat('x', 230)), \
+                 {} FROM generate_series({}, {}) i",
+                if published { "now() - interval '1 hour'" } else { "NULL" },
+                done,
+                done + m - 1
+            ))
+            .execute(&mut conn)?;
+            done += m;
+        }
+        diesel::sql_query("ANALYZE outbox").execute(&mut conn)?;
+        Ok(())
+    }
+
+    async fn published(&self, conn: &mut AsyncPgConnection) -> Result<i64> {
+        use diesel_async::RunQueryDsl;
+        #[derive(QueryableByName)]
+        struct C {
+            #[diesel(sql_type = diesel::sql_types::BigInt)]
+            c: i64,
+        }
+        let c: C =
+            diesel::sql_query("SELECT count(*) AS c FROM outbox WHERE published_at IS NOT NULL")
+                .get_result(conn)
+                .await?;
+        Ok(c.c)
+    }
+
+    /// Section 1.
+    async fn throughput(&mut self) -> Result<()> {
+        let n = self.args.events;
+        println!("\n## 1. relay throughput ({n} events of ~300 B, file storage, dedup on)\n");
+        println!("| run | events/s | ratio to baseline |");
+        println!("|---|---|---|");
+        let baseline = self.raw_publish(n).await?;
+        println!("| baseline: bare async-nats, 512 acks in flight | {baseline:.0} | 1.00 |");
+        let runs: Vec<(String, Mode, u32, u32, usize)> = vec![
+            (
+                "ordered, 1 partition, 1 relay".into(),
+                Mode::Ordered,
+                1,
+                1,
+                1,
+            ),
+            (
+                "ordered, 4 partitions, 2 relays".into(),
+                Mode::Ordered,
+                4,
+                1,
+                2,
+            ),
+            (
+                "ordered, 8 partitions, 4 relays".into(),
+                Mode::Ordered,
+                8,
+                1,
+                4,
+            ),
+            (
+                "unordered, 4 workers, 1 relay".into(),
+                Mode::Unordered,
+                1,
+                4,
+                1,
+            ),
+        ];
+        for (name, mode, partitions, workers, relays) in runs {
+            let rate = self.relay_run(n, mode, partitions, workers, relays).await?;
+            println!("| {name} | {rate:.0} | {:.2} |", rate / baseline);
+        }
+        Ok(())
+    }
+
+    async fn raw_publish(&mut self, n: usize) -> Result<f64> {
+        let (name, prefix) = ("BENCH_RAW", "benchraw");
+        self.stream(name, prefix).await?;
+        let payload = bytes::Bytes::from(serde_json::to_vec(&event(0))?);
+        let start = Instant::now();
+        let mut in_flight = FuturesUnordered::new();
+        for i in 0..n {
+            if in_flight.len() >= 512 {
+                if let Some(r) = in_flight.next().await {
+                    r?;
+                }
+            }
+            let mut h = async_nats::HeaderMap::new();
+            h.insert("Nats-Msg-Id", uuid::Uuid::now_v7().to_string().as_str());
+            h.insert("Outbox-Aggregate-Type", "order");
+            h.insert(
+                "Outbox-Aggregate-Id",
+                format!("order-{}", i % 1000).as_str(),
+            );
+            h.insert("Outbox-Event-Type", "order.placed");
+            h.insert(
+                "Outbox-Created-At",
+                chrono::Utc::now().to_rfc3339().as_str(),
+            );
+            h.insert("Content-Type", "application/json");
+            let ack = self
+                .js
+                .publish_with_headers(
+                    format!("{prefix}.order.order-{}", i % 1000),
+                    h,
+                    payload.clone(),
+                )
+                .await?;
+            in_flight.push(ack.into_future());
+        }
+        while let Some(r) = in_flight.next().await {
+            r?;
+        }
+        Ok(n as f64 / start.elapsed().as_secs_f64())
+    }
+
+    async fn relay_run(
+        &mut self,
+        n: usize,
+        mode: Mode,
+        partitions: u32,
+        workers: u32,
+        relays: usize,
+    ) -> Result<f64> {
+        self.reset_outbox()?;
+        self.fill(n, false)?;
+        let name = format!(
+            "BENCH_{}_{partitions}_{workers}_{relays}",
+            mode.to_string().to_uppercase()
+        );
+        let prefix = name.to_lowercase().replace('_', "");
+        self.stream(&name, &prefix).await?;
+        let shutdown = CancellationToken::new();
+        let start = Instant::now();
+        let mut tasks = Vec::new();
+        for _ in 0..relays {
+            let nats = async_nats::connect(&self.args.nats_url).await?;
+            let config = RelayConfig::new(self.db_url.clone())
+                .stream(name.clone())
+                .subject_prefix(prefix.clone())
+                .mode(mode)
+                .partitions(partitions)
+                .workers(workers);
+            tasks.push(tokio::spawn(Relay::new(config, nats).run(shutdown.clone())));
+        }
+        let mut conn = AsyncPgConnection::establish(&self.db_url).await?;
+        while self.published(&mut conn).await? < n as i64 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            if start.elapsed() > Duration::from_secs(600) {
+                bail!("the relay did not drain {n} events in 10 minutes");
+            }
+        }
+        let rate = n as f64 / start.elapsed().as_secs_f64();
+        shutdown.cancel();
+        for t in tasks {
+            t.await??;
+        }
+        Ok(rate)
+    }
+
+    /// Section 2.
+    async fn latency(&mut self) -> Result<()> {
+        println!(
+            "\n## 2. commit-to-ack latency (steady rate of committed transactions, one event each)\n"
+        );
+        println!("| rate | wake-up | p50 ms | p99 ms | max ms |");
+        println!("|---|---|---|---|---|");
+        for rate in [1000u32, 5000] {
+            for listen in [true, false] {
+                let (p50, p99, max) = self.latency_run(rate, listen).await?;
+                let how = if listen {
+                    "LISTEN/NOTIFY (debounced 10 ms) + 100 ms poll"
+                } else {
+                    "poll only, 100 ms"
+                };
+                println!("| {rate}/s | {how} | {p50:.1} | {p99:.1} | {max:.1} |");
+            }
+        }
+        Ok(())
+    }
+
+    async fn latency_run(&mut self, rate: u32, listen: bool) -> Result<(f64, f64, f64)> {
+        self.reset_outbox()?;
+        let name = format!("BENCH_LAT_{rate}_{listen}");
+        let prefix = format!("benchlat{rate}{listen}");
+        self.stream(&name, &prefix).await?;
+        let committed: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+        let mut sub = self.nats.subscribe(format!("{prefix}.>")).await?;
+        let shutdown = CancellationToken::new();
+        let nats = async_nats::connect(&self.args.nats_url).await?;
+        let config = RelayConfig::new(self.db_url.clone())
+            .stream(name.clone())
+            .subject_prefix(prefix.clone())
+            .listen(listen);
+        let relay = tokio::spawn(Relay::new(config, nats).run(shutdown.clone()));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let duration = Duration::from_secs(self.args.seconds.max(3));
+        let total = (rate as u64 * duration.as_secs()) as usize;
+        // writers: 4 threads sharing the rate
+        let writers: Vec<_> = (0..4)
+            .map(|w| {
+                let (url, committed) = (self.db_url.clone(), committed.clone());
+                let outbox = Outbox::default().notify(if listen {
+                    Notify::Debounced(Duration::from_millis(10))
+                } else {
+                    Notify::Off
+                });
+                std::thread::spawn(move || -> Result<()> {
+                    let mut conn = PgConnection::establish(&url)?;
+                    let interval = Duration::from_secs_f64(4.0 / rate as f64);
+                    let start = Instant::now();
+                    for i in (w..total).step_by(4) {
+                        let due = start + interval * (i / 4) as u32;
+                        if let Some(wait) = due.checked_duration_since(Instant::now()) {
+                            std::thread::sleep(wait);
+                        }
+                        let id = conn.transaction(|c| c.record_event_with(&outbox, &event(i)))?;
+                        committed
+                            .lock()
+                            .map_err(|_| anyhow::anyhow!("poisoned"))?
+                            .insert(id.to_string(), Instant::now());
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        let mut latencies = Vec::with_capacity(total);
+        let deadline = Instant::now() + duration + Duration::from_secs(30);
+        while latencies.len() < total && Instant::now() < deadline {
+            let Ok(Some(msg)) = tokio::time::timeout(Duration::from_secs(5), sub.next()).await
+            else {
+                break;
+            };
+            let now = Instant::now();
+            let Some(id) = msg
+                .headers
+                .as_ref()
+                .and_then(|h| h.get("Nats-Msg-Id"))
+                .map(|v| v.to_string())
+            else {
+                continue;
+            };
+            // the commit is recorded just after it returns: wait for it when the message wins
+            let mut at = None;
+            for _ in 0..100 {
+                at = committed
+                    .lock()
+                    .map_err(|_| anyhow::anyhow!("poisoned"))?
+                    .get(&id)
+                    .copied();
+                if at.is_some() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_micros(100)).await;
+            }
+            if let Some(at) = at {
+                latencies.push(now.saturating_duration_since(at).as_secs_f64() * 1000.0);
+            }
+        }
+        for w in writers {
+            w.join().map_err(|_| anyhow::anyhow!("writer panicked"))??;
+        }
+        shutdown.cancel();
+        relay.await??;
+        latencies.sort_by(|a, b| a.total_cmp(b));
+        if latencies.is_empty() {
+            bail!("no message arrived");
+        }
+        let pct =
+            |p: f64| latencies[((latencies.len() as f64 * p) as usize).min(latencies.len() - 1)];
+        Ok((pct(0.50), pct(0.99), latencies[latencies.len() - 1]))
+    }
+
+    /// Section 3.
+    async fn write_path(&mut self) -> Result<()> {
+        use diesel::RunQueryDsl;
+        let secs = self.args.seconds;
+        println!(
+            "\n## 3. write path: business transactions per second, 8 writers, {secs} s each\n"
+        );
+        let mut conn = PgConnection::establish(&self.db_url)?;
+        diesel::sql_query("CREATE TABLE IF NOT EXISTS bench_orders (id bigserial PRIMARY KEY, customer text NOT NULL, note text NOT NULL)")
+            .execute(&mut conn)?;
+        println!("| transaction | tx/s | ratio to hand-written insert |");
+        println!("|---|---|---|");
+        let alone = self.writers(WriteKind::BusinessOnly, secs)?;
+        let hand = self.writers(WriteKind::HandWritten, secs)?;
+        let record = self.writers(WriteKind::RecordEvent, secs)?;
+        let notify_all = self.writers(WriteKind::RecordEventNotifyEveryCommit, secs)?;
+        let record_async = self.writers_async(secs).await?;
+        println!(
+            "| business INSERT alone | {alone:.0} | {:.2} |",
+            alone / hand
+        );
+        println!("| + hand-written Diesel INSERT of the outbox row | {hand:.0} | 1.00 |");
+        println!(
+            "| + `record_event` (sync, default debounced NOTIFY) | {record:.0} | {:.2} |",
+            record / hand
+        );
+        println!(
+            "| + `record_event` (async, default debounced NOTIFY) | {record_async:.0} | {:.2} |",
+            record_async / hand
+        );
+        println!(
+            "| + `record_event` with NOTIFY on every commit | {notify_all:.0} | {:.2} |",
+            notify_all / hand
+        );
+        Ok(())
+    }
+
+    fn writers(&self, kind: WriteKind, secs: u64) -> Result<f64> {
+        use diesel::RunQueryDsl;
+        self.reset_outbox()?;
+        let stop = Instant::now() + Duration::from_secs(secs);
+        let outbox = Arc::new(match kind {
+            WriteKind::RecordEventNotifyEveryCommit => {
+                Outbox::default().notify(Notify::EveryTransaction)
+            }
+            _ => Outbox::default(),
+        });
+        let handles: Vec<_> = (0..8)
+            .map(|w| {
+                let (url, outbox) = (self.db_url.clone(), outbox.clone());
+                std::thread::spawn(move || -> Result<u64> {
+                    let mut conn = PgConnection::establish(&url)?;
+                    let mut n = 0u64;
+                    while Instant::now() < stop {
+                        let e = event(w * 1_000_000 + n as usize);
+                        conn.transaction(|c| {
+                            diesel::sql_query(
+                                "INSERT INTO bench_orders (customer, note) VALUES ($1, $2)",
+                            )
+                            .bind::<diesel::sql_types::Text, _>(&e.customer)
+                            .bind::<diesel::sql_types::Text, _>(&e.note)
+                            .execute(c)?;
+                            match kind {
+                                WriteKind::BusinessOnly => {}
+                                WriteKind::HandWritten => {
+                                    use outbox_diesel::schema::outbox::dsl::*;
+                                    diesel::insert_into(outbox)
+                                        .values((
+                                            id.eq(uuid::Uuid::now_v7()),
+                                            aggregate_type.eq("order"),
+                                            aggregate_id.eq(&e.order_id),
+                                            event_type.eq("order.placed"),
+                                            payload.eq(serde_json::to_value(&e).map_err(
+                                                |err| {
+                                                    diesel::result::Error::SerializationError(
+                                                        Box::new(err),
+                                                    )
+                                                },
+                                            )?),
+                                        ))
+                                        .execute(c)?;
+                                }
+                                WriteKind::RecordEvent
+                                | WriteKind::RecordEventNotifyEveryCommit => {
+                                    c.record_event_with(&outbox, &e)?;
+                                }
+                            }
+                            Ok::<_, diesel::result::Error>(())
+                        })?;
+                        n += 1;
+                    }
+                    Ok(n)
+                })
+            })
+            .collect();
+        let mut total = 0;
+        for h in handles {
+            total += h.join().map_err(|_| anyhow::anyhow!("writer panicked"))??;
+        }
+        Ok(total as f64 / secs as f64)
+    }
+
+    async fn writers_async(&self, secs: u64) -> Result<f64> {
+        use diesel_async::RunQueryDsl;
+        self.reset_outbox()?;
+        let stop = Instant::now() + Duration::from_secs(secs);
+        let mut tasks = Vec::new();
+        for w in 0..8usize {
+            let url = self.db_url.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut conn = AsyncPgConnection::establish(&url).await?;
+                let mut n = 0u64;
+                while Instant::now() < stop {
+                    let e = event(w * 1_000_000 + n as usize);
+                    conn.transaction(async |c| {
+                        diesel::sql_query(
+                            "INSERT INTO bench_orders (customer, note) VALUES ($1, $2)",
+                        )
+                        .bind::<diesel::sql_types::Text, _>(&e.customer)
+                        .bind::<diesel::sql_types::Text, _>(&e.note)
+                        .execute(c)
+                        .await?;
+                        c.record_event(&e).await?;
+                        Ok::<_, diesel::result::Error>(())
+                    })
+                    .await?;
+                    n += 1;
+                }
+                Ok::<u64, anyhow::Error>(n)
+            }));
+        }
+        let mut total = 0;
+        for t in tasks {
+            total += t.await??;
+        }
+        Ok(total as f64 / secs as f64)
+    }
+
+    /// Section 4.
+    async fn poll_cost(&mut self) -> Result<()> {
+        let kept = self.args.kept;
+        println!("\n## 4. poll cost: the relay's fetch query (batch 500), mean of 200 runs\n");
+        println!("| table | ms per poll | ratio to empty |");
+        println!("|---|---|---|");
+        self.reset_outbox()?;
+        let empty = self.poll_time().await?;
+        println!("| empty | {empty:.3} | 1.00 |");
+        self.fill(kept, true)?;
+        let with_kept = self.poll_time().await?;
+        println!(
+            "| {kept} published rows kept, none unpublished | {with_kept:.3} | {:.2} |",
+            with_kept / empty
+        );
+        self.fill(100_000, false)?;
+        let backlog = self.poll_time().await?;
+        println!(
+            "| same + 100000 unpublished backlog | {backlog:.3} | {:.2} |",
+            backlog / empty
+        );
+        Ok(())
+    }
+
+    async fn poll_time(&self) -> Result<f64> {
+        let mut conn = AsyncPgConnection::establish(&self.db_url).await?;
+        outbox_diesel::relay::prepare_session(&mut conn).await?;
+        let table = outbox_diesel::OutboxTable::DEFAULT;
+        let part = outbox_diesel::relay::Partition::ALL;
+        for _ in 0..20 {
+            outbox_diesel::relay::fetch_unpublished(&mut conn, &table, part, &[], 500).await?;
+        }
+        let start = Instant::now();
+        for _ in 0..200 {
+            outbox_diesel::relay::fetch_unpublished(&mut conn, &table, part, &[], 500).await?;
+        }
+        Ok(start.elapsed().as_secs_f64() * 1000.0 / 200.0)
+    }
+
+    /// Section 5.
+    async fn memory(&mut self) -> Result<()> {
+        let n = self.args.memory_backlog;
+        println!("\n## 5. relay memory: peak RSS of `outbox-relay` draining {n} rows\n");
+        self.reset_outbox()?;
+        self.fill(n, false)?;
+        let (name, prefix) = ("BENCH_MEM", "benchmem");
+        self.stream(name, prefix).await?;
+        let bin = std::env::current_exe()?
+            .parent()
+            .and_then(|p| p.parent())
+            .map(|p| p.join("outbox-relay"))
+            .context("target dir")?;
+        if !bin.exists() {
+            bail!(
+                "{} is missing: cargo build --release --bins first",
+                bin.display()
+            );
+        }
+        let mut child = std::process::Command::new(&bin)
+            .args(["run", "--stream", name, "--subject-prefix", prefix])
+            .env("DATABASE_URL", &self.db_url)
+            .env("NATS_URL", &self.args.nats_url)
+            .env("RUST_LOG", "warn")
+            .spawn()?;
+        let start = Instant::now();
+        let mut conn = AsyncPgConnection::establish(&self.db_url).await?;
+        let mut peak_kb = 0u64;
+        while self.published(&mut conn).await? < n as i64 {
+            peak_kb = peak_kb.max(vm_hwm_kb(child.id()).unwrap_or(0));
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if start.elapsed() > Duration::from_secs(900) {
+                let _ = child.kill();
+                bail!("the relay did not drain the backlog in 15 minutes");
+            }
+        }
+        peak_kb = peak_kb.max(vm_hwm_kb(child.id()).unwrap_or(0));
+        let rate = n as f64 / start.elapsed().as_secs_f64();
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status();
+        let _ = child.wait();
+        println!("| backlog | drained in | events/s | peak RSS |");
+        println!("|---|---|---|---|");
+        println!(
+            "| {n} | {:.1} s | {rate:.0} | {:.1} MiB |",
+            start.elapsed().as_secs_f64(),
+            peak_kb as f64 / 1024.0
+        );
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy)]
+enum WriteKind {
+    BusinessOnly,
+    HandWritten,
+    RecordEvent,
+    RecordEventNotifyEveryCommit,
+}
+
+fn vm_hwm_kb(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+}
+
+fn num_cpus() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+}
+
+fn server_versions(conn: &mut PgConnection, nats: &async_nats::Client) -> String {
+    use diesel::RunQueryDsl;
+    #[derive(QueryableByName)]
+    struct V {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        v: String,
+    }
+    let pg = diesel::sql_query("SELECT current_setting('server_version') AS v")
+        .get_result::<V>(conn)
+        .map(|v| v.v)
+        .unwrap_or_default();
+    format!(
+        "PostgreSQL {pg}, nats-server {}",
+        nats.server_info().version
+    )
+}
