@@ -129,9 +129,21 @@ pub const ACK_ERRORS: &str = "outbox_consumer_ack_errors_total";
 
 fn describe_metrics() {
     use metrics::{Unit, describe_counter, describe_histogram};
-    describe_counter!(MESSAGES, Unit::Count, "Messages the consumer finished with, by outcome");
-    describe_histogram!(HANDLE_SECONDS, Unit::Seconds, "Time spent in a message's transaction");
-    describe_counter!(ACK_ERRORS, Unit::Count, "Acks, naks and terms that could not be sent");
+    describe_counter!(
+        MESSAGES,
+        Unit::Count,
+        "Messages the consumer finished with, by outcome"
+    );
+    describe_histogram!(
+        HANDLE_SECONDS,
+        Unit::Seconds,
+        "Time spent in a message's transaction"
+    );
+    describe_counter!(
+        ACK_ERRORS,
+        Unit::Count,
+        "Acks, naks and terms that could not be sent"
+    );
 }
 
 /// Everything a [`Consumer`] needs besides its NATS client.
@@ -283,7 +295,11 @@ impl ConsumerConfig {
     /// Checks the values against each other and JetStream's rules.
     pub fn validate(&self) -> Result<(), String> {
         let name = &self.durable_name;
-        if name.is_empty() || name.chars().any(|c| c.is_whitespace() || matches!(c, '.' | '*' | '>' | '/' | '\\')) {
+        if name.is_empty()
+            || name
+                .chars()
+                .any(|c| c.is_whitespace() || matches!(c, '.' | '*' | '>' | '/' | '\\'))
+        {
             return Err(format!(
                 "durable name {name:?} must be non-empty, without white space, `.`, `*`, `>`, `/` or `\\`"
             ));
@@ -331,7 +347,9 @@ impl ConsumerConfig {
     /// The nak delay of a message's `delivered`-th delivery.
     fn retry_delay_for(&self, delivered: u64) -> Duration {
         let doublings = delivered.saturating_sub(1).min(20) as u32;
-        self.retry_delay.saturating_mul(1 << doublings).min(self.max_retry_delay)
+        self.retry_delay
+            .saturating_mul(1 << doublings)
+            .min(self.max_retry_delay)
     }
 }
 
@@ -343,7 +361,9 @@ pub enum ConsumerError {
     #[error("invalid consumer configuration: {0}")]
     Config(String),
     /// PostgreSQL could not be reached within the start-up timeout.
-    #[error("cannot connect to PostgreSQL within {timeout:?}; is it running, and is the consumer's database URL right?")]
+    #[error(
+        "cannot connect to PostgreSQL within {timeout:?}; is it running, and is the consumer's database URL right?"
+    )]
     Database {
         /// How long it tried.
         timeout: Duration,
@@ -355,10 +375,14 @@ pub enum ConsumerError {
     #[error("PostgreSQL refused the consumer's start-up query")]
     Query(#[source] diesel::result::Error),
     /// The inbox table is missing.
-    #[error("the inbox table {0} does not exist (or is not visible to this role); apply outbox-diesel's migrations (outbox_diesel::MIGRATIONS) or create it with Inbox::create_table")]
+    #[error(
+        "the inbox table {0} does not exist (or is not visible to this role); apply outbox-diesel's migrations (outbox_diesel::MIGRATIONS) or create it with Inbox::create_table"
+    )]
     InboxMissing(String),
     /// The durable consumer could not be created or updated within the start-up timeout.
-    #[error("cannot create or update the JetStream consumer {durable} on stream {stream} within {timeout:?}; is nats-server running with -js, and does the stream exist (the relay creates it)?")]
+    #[error(
+        "cannot create or update the JetStream consumer {durable} on stream {stream} within {timeout:?}; is nats-server running with -js, and does the stream exist (the relay creates it)?"
+    )]
     JetStream {
         /// The stream.
         stream: String,
@@ -435,7 +459,12 @@ impl<E: DeserializeOwned + OutboxEvent> Delivery<E> {
         stream_sequence: u64,
         delivered: u64,
     ) -> Result<Self, DecodeError> {
-        let get = |name: &str| headers.get(name).map(|v| v.as_str().to_owned()).unwrap_or_default();
+        let get = |name: &str| {
+            headers
+                .get(name)
+                .map(|v| v.as_str().to_owned())
+                .unwrap_or_default()
+        };
         let message_id = get("Nats-Msg-Id");
         if message_id.is_empty() {
             return Err(DecodeError::NoMessageId);
@@ -469,7 +498,9 @@ impl<E: DeserializeOwned + OutboxEvent> Delivery<E> {
 #[non_exhaustive]
 pub enum DecodeError {
     /// The message has no `Nats-Msg-Id` header, so the inbox cannot tell it from another.
-    #[error("the message has no `Nats-Msg-Id` header, so the inbox cannot deduplicate it; publish through the outbox relay, or set the header")]
+    #[error(
+        "the message has no `Nats-Msg-Id` header, so the inbox cannot deduplicate it; publish through the outbox relay, or set the header"
+    )]
     NoMessageId,
     /// The message's `Outbox-Event-Type` is not one of the consumer's event types.
     #[error("event type {event_type:?} is not one of the consumer's event types {known:?}")]
@@ -559,7 +590,9 @@ impl Processed {
 /// Implemented for every such closure; you never implement it. The consumer clones the
 /// closure for each message (it is called once per message, inside a transaction), so capture
 /// what is cheap to clone: references, `Arc`s, channel senders.
-pub trait HandlerFn<C, D, R>: AsyncFnOnce(C, D) -> R + FnOnce(C, D) -> <Self as HandlerFn<C, D, R>>::Fut {
+pub trait HandlerFn<C, D, R>:
+    AsyncFnOnce(C, D) -> R + FnOnce(C, D) -> <Self as HandlerFn<C, D, R>>::Fut
+{
     /// The closure's future.
     type Fut: Future<Output = R>;
 }
@@ -595,7 +628,10 @@ pub struct Consumer {
 impl Consumer {
     /// A consumer with `config`, reading through `nats`.
     pub fn new(config: ConsumerConfig, nats: async_nats::Client) -> Self {
-        Consumer { config: Arc::new(config), js: jetstream::new(nats) }
+        Consumer {
+            config: Arc::new(config),
+            js: jetstream::new(nats),
+        }
     }
 
     /// Its configuration.
@@ -616,10 +652,18 @@ impl Consumer {
     /// then handles messages one at a time with `handler` (see the
     /// [module documentation](self)).
     ///
+    /// `handler` is an async closure taking the connection (inside the message's transaction)
+    /// and the [`Delivery`]; it is cloned for each message, so capture references or `Arc`s.
+    /// Its error type only needs `Display`: the error is logged and the message retried.
+    ///
     /// It retries what retrying can fix (PostgreSQL or NATS down, a handler error), and
     /// returns an error only for a bad configuration, a missing inbox table, or servers it
     /// cannot reach within [`ConsumerConfig::startup_timeout`].
-    pub async fn run<E, F, Er>(self, shutdown: CancellationToken, handler: F) -> Result<(), ConsumerError>
+    pub async fn run<E, F, Er>(
+        self,
+        shutdown: CancellationToken,
+        handler: F,
+    ) -> Result<(), ConsumerError>
     where
         E: DeserializeOwned + OutboxEvent + Send,
         F: Clone + Send + Sync,
@@ -630,7 +674,9 @@ impl Consumer {
         describe_metrics();
         let cfg = self.config.clone();
         cfg.validate().map_err(ConsumerError::Config)?;
-        let Some((conn, pull)) = self.startup(&shutdown).await? else { return Ok(()) };
+        let Some((conn, mut pull)) = self.startup(&shutdown).await? else {
+            return Ok(());
+        };
         info!(
             consumer = %cfg.durable_name,
             stream = %cfg.stream,
@@ -656,7 +702,11 @@ impl Consumer {
                     }
                 }
             }
-            let request = pull.batch().max_messages(cfg.batch_size).expires(cfg.fetch_wait).messages();
+            let request = pull
+                .batch()
+                .max_messages(cfg.batch_size)
+                .expires(cfg.fetch_wait)
+                .messages();
             let mut batch = tokio::select! {
                 batch = request => match batch {
                     Ok(b) => b,
@@ -664,6 +714,10 @@ impl Consumer {
                         warn!(consumer = %cfg.durable_name, error = %e, "pull request failed; retrying");
                         if !backoff.sleep(&shutdown).await {
                             break;
+                        }
+                        // the durable may have been deleted: make it again
+                        if let Ok(p) = self.pull_consumer().await {
+                            pull = p;
                         }
                         continue;
                     }
@@ -684,6 +738,9 @@ impl Consumer {
                     Some(Ok(msg)) => msg,
                     Some(Err(e)) => {
                         warn!(consumer = %cfg.durable_name, error = %e, "pull request ended with an error");
+                        if !backoff.sleep(&shutdown).await {
+                            break 'fetch;
+                        }
                         break;
                     }
                 };
@@ -707,6 +764,16 @@ impl Consumer {
                 }
             }
         }
+        // the last answers must leave before the caller drops the client
+        match tokio::time::timeout(Duration::from_secs(5), self.js.client().flush()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                warn!(consumer = %cfg.durable_name, error = %e, "cannot flush the last acks; their messages will come again");
+            }
+            Err(_) => {
+                warn!(consumer = %cfg.durable_name, "flushing the last acks timed out; their messages may come again");
+            }
+        }
         info!(consumer = %cfg.durable_name, "outbox consumer stopped");
         Ok(())
     }
@@ -719,12 +786,18 @@ impl Consumer {
     ) -> Result<Option<(AsyncPgConnection, PullConsumer)>, ConsumerError> {
         let cfg = &self.config;
         let deadline = Instant::now() + cfg.startup_timeout;
-        let mut backoff = Backoff::new(Duration::from_millis(50), cfg.max_retry_delay.min(Duration::from_secs(5)));
+        let mut backoff = Backoff::new(
+            Duration::from_millis(50),
+            cfg.max_retry_delay.min(Duration::from_secs(5)),
+        );
         let mut conn = loop {
             match AsyncPgConnection::establish(&cfg.database_url).await {
                 Ok(c) => break c,
                 Err(e) if Instant::now() >= deadline => {
-                    return Err(ConsumerError::Database { timeout: cfg.startup_timeout, source: e });
+                    return Err(ConsumerError::Database {
+                        timeout: cfg.startup_timeout,
+                        source: e,
+                    });
                 }
                 Err(e) => {
                     warn!(consumer = %cfg.durable_name, error = %e, "PostgreSQL not reachable yet; retrying");
@@ -735,12 +808,17 @@ impl Consumer {
             }
         };
         let inbox = cfg.inbox.table();
-        if !outbox_diesel::relay::table_exists(&mut conn, inbox).await.map_err(ConsumerError::Query)? {
+        if !outbox_diesel::relay::table_exists(&mut conn, inbox)
+            .await
+            .map_err(ConsumerError::Query)?
+        {
             return Err(ConsumerError::InboxMissing(inbox.to_string()));
         }
         backoff.reset();
         loop {
-            let remaining = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
+            let remaining = deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(100));
             let attempt = match tokio::time::timeout(remaining, self.pull_consumer()).await {
                 Ok(result) => result,
                 Err(elapsed) => Err(elapsed.into()),
@@ -785,7 +863,10 @@ impl Consumer {
         Er: fmt::Display + Send,
     {
         let cfg = &*self.config;
-        let delivered = message.info().map(|i| i.delivered.max(1) as u64).unwrap_or(1);
+        let delivered = message
+            .info()
+            .map(|i| i.delivered.max(1) as u64)
+            .unwrap_or(1);
         let span = info_span!(
             "outbox.consume",
             consumer = %cfg.durable_name,
@@ -807,7 +888,9 @@ impl Consumer {
             span.record("stream.seq", delivery.stream_sequence);
             span.record("event_type", delivery.event_type.as_str());
             let started = Instant::now();
-            let outcome = self.transaction(conn, message, delivery, handler.clone()).await;
+            let outcome = self
+                .transaction(conn, message, delivery, handler.clone())
+                .await;
             metrics::histogram!(HANDLE_SECONDS, "consumer" => cfg.durable_name.clone())
                 .record(started.elapsed().as_secs_f64());
             outcome
@@ -816,14 +899,21 @@ impl Consumer {
         .await;
         let ack = match &outcome {
             Outcome::Handled | Outcome::Duplicate | Outcome::Skipped => AckKind::Ack,
-            Outcome::Undecodable(_) if delivered >= u64::from(cfg.undecodable_after) => AckKind::Term,
+            Outcome::Undecodable(_) if delivered >= u64::from(cfg.undecodable_after) => {
+                AckKind::Term
+            }
             Outcome::HandlerFailed(_) | Outcome::DatabaseFailed(_) | Outcome::Undecodable(_) => {
                 AckKind::Nak(Some(cfg.retry_delay_for(delivered)))
             }
         };
         let _entered = span.enter();
-        let label = if matches!(ack, AckKind::Term) { "terminated" } else { outcome.label() };
-        metrics::counter!(MESSAGES, "consumer" => cfg.durable_name.clone(), "outcome" => label).increment(1);
+        let label = if matches!(ack, AckKind::Term) {
+            "terminated"
+        } else {
+            outcome.label()
+        };
+        metrics::counter!(MESSAGES, "consumer" => cfg.durable_name.clone(), "outcome" => label)
+            .increment(1);
         match &outcome {
             Outcome::Handled => debug!("handled"),
             Outcome::Duplicate => debug!("already processed; skipped"),
@@ -835,7 +925,10 @@ impl Consumer {
                 warn!(error = %e, retry_in = ?cfg.retry_delay_for(delivered), "database failed; rolled back, will retry");
             }
             Outcome::Undecodable(e) if matches!(ack, AckKind::Term) => {
-                let seq = message.info().map(|i| i.stream_sequence).unwrap_or_default();
+                let seq = message
+                    .info()
+                    .map(|i| i.stream_sequence)
+                    .unwrap_or_default();
                 error!(
                     error = %chain(e),
                     stream = %cfg.stream,
@@ -848,7 +941,11 @@ impl Consumer {
                 warn!(error = %chain(e), "undecodable message; will retry before terminating it");
             }
         }
-        Processed { outcome, ack, delivered }
+        Processed {
+            outcome,
+            ack,
+            delivered,
+        }
     }
 
     /// The inbox check and the handler, in one transaction; progress acks while it runs long.
@@ -870,7 +967,10 @@ impl Consumer {
         let (inbox, consumer) = (&cfg.inbox, cfg.durable_name.as_str());
         let message_id = delivery.message_id.clone();
         let work = conn.transaction(async move |conn| {
-            if !inbox.mark_processed_async(conn, consumer, &message_id).await? {
+            if !inbox
+                .mark_processed_async(conn, consumer, &message_id)
+                .await?
+            {
                 return Ok(false);
             }
             handler(conn, delivery).await.map_err(TxError::Handler)?;
@@ -900,10 +1000,15 @@ impl Consumer {
     /// Sends JetStream the answer [`Consumer::process`] decided: ack, nak with a delay, or
     /// term. A lost answer is harmless: JetStream delivers the message again after `ack_wait`
     /// and the inbox recognises it.
-    pub async fn settle(&self, message: &jetstream::Message, processed: &Processed) -> Result<(), async_nats::Error> {
+    pub async fn settle(
+        &self,
+        message: &jetstream::Message,
+        processed: &Processed,
+    ) -> Result<(), async_nats::Error> {
         let result = message.ack_with(processed.ack).await;
         if let Err(e) = &result {
-            metrics::counter!(ACK_ERRORS, "consumer" => self.config.durable_name.clone()).increment(1);
+            metrics::counter!(ACK_ERRORS, "consumer" => self.config.durable_name.clone())
+                .increment(1);
             warn!(consumer = %self.config.durable_name, error = %e, ack = ?processed.ack, "cannot answer JetStream; the message will come again after ack_wait");
         }
         result
@@ -940,7 +1045,11 @@ struct Backoff {
 
 impl Backoff {
     fn new(first: Duration, cap: Duration) -> Self {
-        Backoff { first, next: first, cap }
+        Backoff {
+            first,
+            next: first,
+            cap,
+        }
     }
 
     fn reset(&mut self) {
@@ -1009,8 +1118,14 @@ mod tests {
         ]);
         let d = Delivery::<Ev>::decode_parts("outbox.order.7", h, &body, 3, 2).expect("decodes");
         assert_eq!(d.event, event);
-        assert_eq!((d.message_id.as_str(), d.event_type.as_str()), ("m-1", "placed"));
-        assert_eq!((d.aggregate_type.as_str(), d.aggregate_id.as_str()), ("order", "7"));
+        assert_eq!(
+            (d.message_id.as_str(), d.event_type.as_str()),
+            ("m-1", "placed")
+        );
+        assert_eq!(
+            (d.aggregate_type.as_str(), d.aggregate_id.as_str()),
+            ("order", "7")
+        );
         assert_eq!((d.stream_sequence, d.delivered), (3, 2));
     }
 
@@ -1030,14 +1145,20 @@ mod tests {
         let ok = headers(&[("Nats-Msg-Id", "m"), (EVENT_TYPE_HEADER, "cancelled")]);
         let err = Delivery::<Ev>::decode_parts("s", ok, b"{not json", 1, 1).expect_err("bad json");
         assert!(matches!(err, DecodeError::Json { .. }));
-        assert!(chain(&err).contains("key must be a string"), "{}", chain(&err));
+        assert!(
+            chain(&err).contains("key must be a string"),
+            "{}",
+            chain(&err)
+        );
     }
 
     #[test]
     fn retry_delays_double_up_to_the_cap() {
         let cfg = ConsumerConfig::new("c", "postgres://x/y")
             .retry_delay(Duration::from_millis(100), Duration::from_millis(500));
-        let delays: Vec<_> = (1..=5).map(|d| cfg.retry_delay_for(d).as_millis()).collect();
+        let delays: Vec<_> = (1..=5)
+            .map(|d| cfg.retry_delay_for(d).as_millis())
+            .collect();
         assert_eq!(delays, [100, 200, 400, 500, 500]);
     }
 
@@ -1046,7 +1167,17 @@ mod tests {
         assert!(ConsumerConfig::new("billing", "u").validate().is_ok());
         assert!(ConsumerConfig::new("bill.ing", "u").validate().is_err());
         assert!(ConsumerConfig::new("", "u").validate().is_err());
-        assert!(ConsumerConfig::new("b", "u").max_ack_pending(0).validate().is_err());
-        assert!(ConsumerConfig::new("b", "u").undecodable_after(0).validate().is_err());
+        assert!(
+            ConsumerConfig::new("b", "u")
+                .max_ack_pending(0)
+                .validate()
+                .is_err()
+        );
+        assert!(
+            ConsumerConfig::new("b", "u")
+                .undecodable_after(0)
+                .validate()
+                .is_err()
+        );
     }
 }
