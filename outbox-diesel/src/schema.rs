@@ -51,7 +51,8 @@ diesel::table! {
 
 /// The outbox's migrations in Diesel's layout, for `diesel_migrations`.
 ///
-/// They create the table `outbox`; for another name use [`create_table_sql`].
+/// They create the table `outbox` and the consumer inbox `processed_messages`; for another
+/// outbox name use [`create_table_sql`].
 ///
 /// ```no_run
 /// use diesel::prelude::*;
@@ -65,7 +66,8 @@ pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
 
 const UP_SQL: &str = include_str!("../migrations/2026-12-01-000000_create_outbox/up.sql");
 
-/// Applies the outbox's pending migrations (creating the table `outbox`).
+/// Applies the outbox's pending migrations (creating the tables `outbox` and
+/// `processed_messages`).
 ///
 /// Returns the versions it applied; none when the table is up to date.
 pub fn run_migrations(
