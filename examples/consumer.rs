@@ -1,44 +1,53 @@
-//! # A consumer of the outbox's events
+//! # A consumer of the shop's events
 //!
-//! Reads the events the shop (`cargo run --example shop`) publishes: a durable JetStream pull
-//! consumer on the stream `OUTBOX`, acking each message explicitly after it is handled. It
-//! prints each event (subject, `Nats-Msg-Id`, event type, payload).
+//! Reads the events the shop (`cargo run --example shop`) publishes, through
+//! `outbox_nats::Consumer`: a durable JetStream pull consumer on the stream `OUTBOX` whose
+//! handler runs inside a PostgreSQL transaction together with the inbox check, and which acks
+//! each message only after that transaction committed.
 //!
 //! Delivery is at least once: JetStream drops the duplicates that reach it within the stream's
-//! duplicate window, and a message can still come twice (a relay that died after publishing
-//! and before marking its row publishes it again later; a consumer that died before acking
-//! gets it again). So the consumer drops duplicates itself, by `Nats-Msg-Id`, through an
-//! [`Inbox`]: here an in-memory, bounded set. A durable consumer keeps its position across
-//! restarts, but this inbox forgets, so keep processing idempotent or use a database inbox that
-//! commits "seen" together with the handler's own writes (outbox-diesel's
-//! `processed_messages`): only the `Inbox` implementation changes.
+//! duplicate window, and a message can still come twice (a relay that died after publishing and
+//! before marking publishes it again; a consumer that died between its commit and its ack gets
+//! it again). The inbox (`processed_messages`, in the consumer's own database) remembers every
+//! message id this consumer committed, so each event changes the consumer's state once: here,
+//! a per-order tally in the table `order_tally`.
 //!
 //! ```text
 //! cargo run --example consumer
 //! cargo run --example consumer -- --name billing --filter 'outbox.order.>'
 //! ```
 //!
-//! Settings (flag or environment variable): `--nats-url` / `NATS_URL` (default
-//! `nats://127.0.0.1:4222`), `--stream` / `OUTBOX_STREAM` (default `OUTBOX`), `--name` /
-//! `CONSUMER_NAME` (the durable consumer, default `shop-consumer`), `--filter` /
-//! `CONSUMER_FILTER` (default `outbox.>`), `--remember` (message ids kept for dedup, default
-//! 100000). Two runs with the same `--name` share the work; different names each see every
-//! event. Stop with Ctrl-C.
+//! Settings (flag or environment variable): `--database-url` / `CONSUMER_DATABASE_URL` (its
+//! own database, default `postgres://postgres@127.0.0.1:5432/outbox_shop_consumer`, created
+//! when missing), `--nats-url` / `NATS_URL` (default `nats://127.0.0.1:4222`), `--stream` /
+//! `OUTBOX_STREAM` (default `OUTBOX`), `--name` / `CONSUMER_NAME` (the durable consumer,
+//! default `shop-consumer`), `--filter` / `CONSUMER_FILTER` (default `outbox.>`). Two runs with
+//! the same `--name` share the work; different names each see every event. Stop with Ctrl-C.
 
-use std::collections::{HashSet, VecDeque};
 use std::process::ExitCode;
-use std::time::Duration;
 
-use anyhow::{Context, bail};
-use async_nats::jetstream::{self, AckKind, consumer::AckPolicy, consumer::pull};
+use anyhow::Context;
 use clap::Parser;
-use futures_util::StreamExt;
+use diesel::{Connection, PgConnection};
+use diesel_async::AsyncPgConnection;
+use outbox_diesel::OutboxEvent;
+use outbox_nats::consumer::{Consumer, ConsumerConfig, Delivery};
 use outbox_nats::redact_url;
+use serde::{Deserialize, Serialize};
+use tokio_util::sync::CancellationToken;
 
-/// Prints the events of the outbox stream, once each.
+/// Prints the shop's events, each once, and keeps a tally per order.
 #[derive(Debug, Parser)]
 #[command(name = "consumer")]
 struct Args {
+    /// The consumer's own database (inbox and tally); created when missing.
+    #[arg(
+        long,
+        env = "CONSUMER_DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/outbox_shop_consumer",
+        hide_env_values = true
+    )]
+    database_url: String,
     /// NATS server URL.
     #[arg(
         long,
@@ -47,229 +56,138 @@ struct Args {
         hide_env_values = true
     )]
     nats_url: String,
-    /// The stream to read.
+    /// The stream the relay publishes to.
     #[arg(long, env = "OUTBOX_STREAM", default_value = "OUTBOX")]
     stream: String,
-    /// The durable consumer's name: it keeps its position across restarts.
+    /// The durable consumer's name.
     #[arg(long, env = "CONSUMER_NAME", default_value = "shop-consumer")]
     name: String,
-    /// Only subjects matching this filter (`outbox.order.>`, `outbox.order.42`).
+    /// Only subjects matching this filter.
     #[arg(long, env = "CONSUMER_FILTER", default_value = "outbox.>")]
     filter: String,
-    /// How many message ids the in-memory inbox remembers.
-    #[arg(long, default_value_t = 100_000)]
-    remember: usize,
 }
 
-/// What a consumer has already processed, by message id.
-///
-/// The handler runs only for ids the inbox has not seen, and the id is remembered after the
-/// handler succeeded. A database inbox does both in the handler's transaction.
-trait Inbox {
-    /// Whether `msg_id` was processed already.
-    fn seen(&self, msg_id: &str) -> bool;
-    /// Remembers `msg_id` as processed.
-    fn remember(&mut self, msg_id: &str);
-}
-
-/// An [`Inbox`] in memory that forgets the oldest ids beyond `capacity`.
-struct MemoryInbox {
-    ids: HashSet<String>,
-    order: VecDeque<String>,
-    capacity: usize,
-}
-
-impl MemoryInbox {
-    fn new(capacity: usize) -> Self {
-        MemoryInbox {
-            ids: HashSet::new(),
-            order: VecDeque::new(),
-            capacity: capacity.max(1),
-        }
-    }
-}
-
-impl Inbox for MemoryInbox {
-    fn seen(&self, msg_id: &str) -> bool {
-        self.ids.contains(msg_id)
-    }
-
-    fn remember(&mut self, msg_id: &str) {
-        if self.ids.insert(msg_id.to_owned()) {
-            self.order.push_back(msg_id.to_owned());
-            while self.order.len() > self.capacity {
-                if let Some(old) = self.order.pop_front() {
-                    self.ids.remove(&old);
-                }
-            }
-        }
-    }
-}
-
-/// One event, as the outbox relay publishes it.
-struct Event<'m> {
-    subject: &'m str,
-    msg_id: Option<&'m str>,
-    event_type: &'m str,
-    aggregate_id: &'m str,
-    payload: String,
-}
-
-impl<'m> Event<'m> {
-    fn of(msg: &'m async_nats::Message) -> Self {
-        let header = |name: &str| {
-            msg.headers
-                .as_ref()
-                .and_then(|h| h.get(name))
-                .map(|v| v.as_str())
-        };
-        let payload = match serde_json::from_slice::<serde_json::Value>(&msg.payload) {
-            Ok(json) => json.to_string(),
-            Err(_) => String::from_utf8_lossy(&msg.payload).into_owned(),
-        };
-        Event {
-            subject: msg.subject.as_str(),
-            msg_id: header("Nats-Msg-Id"),
-            event_type: header("Outbox-Event-Type").unwrap_or("?"),
-            aggregate_id: header("Outbox-Aggregate-Id").unwrap_or("?"),
-            payload,
-        }
-    }
-}
-
-fn is_stream_not_found(e: &jetstream::context::GetStreamError) -> bool {
-    matches!(
-        e.kind(),
-        jetstream::context::GetStreamErrorKind::JetStream(js)
-            if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
-    )
-}
-
-/// The business logic: here, print it.
-fn handle(event: &Event<'_>) -> anyhow::Result<()> {
-    println!(
-        "{:<16} {:<24} order {:<6} Nats-Msg-Id {}\n  {}",
-        event.event_type,
-        event.subject,
-        event.aggregate_id,
-        event.msg_id.unwrap_or("(none)"),
-        event.payload
-    );
-    Ok(())
+/// The shop's events, as the consumer reads them (the shop records them `untagged`: the event
+/// type travels in the `Outbox-Event-Type` header, the payload is the variant's fields).
+#[derive(Debug, Serialize, Deserialize, OutboxEvent)]
+#[outbox(aggregate_type = "order")]
+#[serde(untagged)]
+enum OrderEvent {
+    #[outbox(event_type = "order.placed")]
+    Placed {
+        #[outbox(aggregate_id)]
+        order_id: i64,
+        customer: String,
+        total_cents: i64,
+    },
+    #[outbox(event_type = "order.paid")]
+    Paid {
+        #[outbox(aggregate_id)]
+        order_id: i64,
+        total_cents: i64,
+    },
+    #[outbox(event_type = "order.cancelled")]
+    Cancelled {
+        #[outbox(aggregate_id)]
+        order_id: i64,
+        reason: Option<String>,
+    },
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
     let args = Args::parse();
-    tokio::select! {
-        result = run(args) => match result {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("consumer: {e:#}");
-                ExitCode::FAILURE
-            }
-        },
-        _ = tokio::signal::ctrl_c() => {
-            eprintln!("consumer: stopped");
-            ExitCode::SUCCESS
+    match run(args).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("consumer: {e:#}");
+            ExitCode::FAILURE
         }
     }
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
-    let client = async_nats::ConnectOptions::new()
-        .name("outbox-example-consumer")
-        .connect(args.nats_url.as_str())
-        .await
-        .with_context(|| {
-            format!(
-                "cannot reach NATS at {}. Start nats-server with JetStream (`nats-server -js`), \
-                 or set NATS_URL=nats://HOST:PORT",
-                redact_url(&args.nats_url)
-            )
-        })?;
-    let js = jetstream::new(client);
-
-    let mut waiting = false;
-    let stream = loop {
-        match js.get_stream(&args.stream).await {
-            Ok(stream) => break stream,
-            Err(e) if is_stream_not_found(&e) => {
-                if !waiting {
-                    eprintln!(
-                        "consumer: no stream {} yet; waiting for the relay to create it \
-                         (start `cargo run --example shop`)",
-                        args.stream
-                    );
-                    waiting = true;
-                }
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-            Err(e) => bail!(
-                "cannot read stream {}: {e}; is JetStream enabled (`nats-server -js`)?",
-                args.stream
-            ),
-        }
-    };
-
-    let consumer: jetstream::consumer::PullConsumer = stream
-        .create_consumer(pull::Config {
-            durable_name: Some(args.name.clone()),
-            filter_subject: args.filter.clone(),
-            ack_policy: AckPolicy::Explicit,
-            ack_wait: Duration::from_secs(30),
-            ..Default::default()
-        })
-        .await
-        .with_context(|| format!("cannot create the durable consumer {}", args.name))?;
-    eprintln!(
-        "consumer: {} reading stream {} (filter {}); Ctrl-C to stop",
-        args.name, args.stream, args.filter
+    prepare_database(&args.database_url)?;
+    let nats = async_nats::connect(&args.nats_url).await.with_context(|| {
+        format!(
+            "cannot reach NATS at {}; start nats-server -js or set NATS_URL",
+            redact_url(&args.nats_url)
+        )
+    })?;
+    let config = ConsumerConfig::new(args.name.clone(), args.database_url.clone())
+        .stream(args.stream.clone())
+        .filter_subject(args.filter.clone());
+    let shutdown = CancellationToken::new();
+    let stop = shutdown.clone();
+    tokio::spawn(async move {
+        let _ = tokio::signal::ctrl_c().await;
+        stop.cancel();
+    });
+    println!(
+        "consuming {} ({}) as {}; Ctrl-C to stop",
+        args.stream, args.filter, args.name
     );
-
-    let mut inbox = MemoryInbox::new(args.remember);
-    let mut messages = consumer
-        .messages()
-        .await
-        .context("cannot start consuming")?;
-    while let Some(next) = messages.next().await {
-        let msg = match next {
-            Ok(msg) => msg,
-            Err(e) => {
-                eprintln!("consumer: {e}; continuing");
-                continue;
-            }
-        };
-        let event = Event::of(&msg);
-        match event.msg_id {
-            Some(id) if inbox.seen(id) => {
-                println!("duplicate {id} ({}): dropped", event.event_type);
-            }
-            id => match handle(&event) {
-                Ok(()) => {
-                    if let Some(id) = id {
-                        inbox.remember(id);
-                    }
-                }
-                Err(e) => {
-                    eprintln!(
-                        "consumer: handling {} failed: {e:#}; redelivering later",
-                        event.subject
-                    );
-                    let delay = AckKind::Nak(Some(Duration::from_secs(5)));
-                    if let Err(e) = msg.ack_with(delay).await {
-                        eprintln!("consumer: nak failed: {e}");
-                    }
-                    continue;
-                }
+    Consumer::new(config, nats)
+        .run(
+            shutdown,
+            async |conn: &mut AsyncPgConnection, msg: Delivery<OrderEvent>| {
+                use diesel_async::RunQueryDsl;
+                println!(
+                    "{} {} {} {:?}",
+                    msg.subject, msg.message_id, msg.event_type, msg.event
+                );
+                // the tally commits together with the inbox entry, then the message is acked
+                diesel::sql_query(
+                    "INSERT INTO order_tally (order_id, events) VALUES ($1, 1) \
+                 ON CONFLICT (order_id) DO UPDATE SET events = order_tally.events + 1",
+                )
+                .bind::<diesel::sql_types::BigInt, _>(order_id(&msg.event))
+                .execute(conn)
+                .await?;
+                Ok::<_, diesel::result::Error>(())
             },
-        }
-        // Ack after the work is done: a crash before this line means redelivery, not loss.
-        if let Err(e) = msg.ack().await {
-            eprintln!(
-                "consumer: ack failed ({e}); the message will come again and be dropped as a duplicate"
-            );
-        }
+        )
+        .await?;
+    println!("consumer stopped");
+    Ok(())
+}
+
+fn order_id(e: &OrderEvent) -> i64 {
+    match e {
+        OrderEvent::Placed { order_id, .. }
+        | OrderEvent::Paid { order_id, .. }
+        | OrderEvent::Cancelled { order_id, .. } => *order_id,
     }
+}
+
+/// Creates the consumer's database when missing, with the inbox and the tally.
+fn prepare_database(url: &str) -> anyhow::Result<()> {
+    use diesel::RunQueryDsl;
+    let (server, name) = url
+        .rsplit_once('/')
+        .context("DATABASE_URL has no database name")?;
+    let name = name.split('?').next().unwrap_or(name);
+    let missing = |e: &dyn std::fmt::Display| {
+        format!(
+            "cannot reach PostgreSQL at {}: {e}; start PostgreSQL or set CONSUMER_DATABASE_URL",
+            redact_url(server)
+        )
+    };
+    if PgConnection::establish(url).is_err() {
+        let mut admin = PgConnection::establish(&format!("{server}/postgres"))
+            .map_err(|e| anyhow::anyhow!(missing(&e)))?;
+        diesel::sql_query(format!("CREATE DATABASE \"{}\"", name.replace('"', "\"\"")))
+            .execute(&mut admin)?;
+    }
+    let mut conn = PgConnection::establish(url).map_err(|e| anyhow::anyhow!(missing(&e)))?;
+    outbox_diesel::run_migrations(&mut conn)
+        .map_err(|e| anyhow::anyhow!("migrating {name}: {e}"))?;
+    diesel::sql_query("CREATE TABLE IF NOT EXISTS order_tally (order_id bigint PRIMARY KEY, events bigint NOT NULL)")
+        .execute(&mut conn)?;
     Ok(())
 }
