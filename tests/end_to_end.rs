@@ -42,11 +42,16 @@ struct InProcessRelay {
 
 impl InProcessRelay {
     async fn start(config: RelayConfig, stream: &TestStream) -> Self {
-        let nats = async_nats::connect(&stream.nats_url).await.expect("connect to NATS");
+        let nats = async_nats::connect(&stream.nats_url)
+            .await
+            .expect("connect to NATS");
         let shutdown = CancellationToken::new();
         let relay = Relay::new(config, nats);
         let task = tokio::spawn(relay.run(shutdown.clone()));
-        InProcessRelay { shutdown, task: Some(task) }
+        InProcessRelay {
+            shutdown,
+            task: Some(task),
+        }
     }
 
     async fn stop(mut self) {
@@ -76,9 +81,11 @@ fn config(db: &TestDb, stream: &TestStream) -> RelayConfig {
 }
 
 async fn wait_published(db: &TestDb, n: i64) {
-    wait_until(Duration::from_secs(120), &format!("{n} rows published"), || async {
-        db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL") >= n
-    })
+    wait_until(
+        Duration::from_secs(120),
+        &format!("{n} rows published"),
+        || async { db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL") >= n },
+    )
     .await;
 }
 
@@ -88,8 +95,14 @@ async fn committed_transaction_publishes_one_message_per_event_with_the_contract
     create_orders(&db);
     let mut conn = db.conn();
     let events = vec![
-        OrderPlaced { order_id: "o-1".into(), n: 1 },
-        OrderPlaced { order_id: "o-2".into(), n: 2 },
+        OrderPlaced {
+            order_id: "o-1".into(),
+            n: 1,
+        },
+        OrderPlaced {
+            order_id: "o-2".into(),
+            n: 2,
+        },
     ];
     let ids = conn
         .transaction(|conn| {
@@ -100,7 +113,10 @@ async fn committed_transaction_publishes_one_message_per_event_with_the_contract
         })
         .expect("commit");
     assert_eq!(ids.len(), 2);
-    assert!(ids.iter().all(|id| id.get_version_num() == 7), "ids are UUIDv7");
+    assert!(
+        ids.iter().all(|id| id.get_version_num() == 7),
+        "ids are UUIDv7"
+    );
 
     let relay = InProcessRelay::start(config(&db, &stream), &stream).await;
     wait_published(&db, 2).await;
@@ -110,7 +126,10 @@ async fn committed_transaction_publishes_one_message_per_event_with_the_contract
     assert_eq!(got.len(), 2);
     for (msg, (event, id)) in got.iter().zip(events.iter().zip(&ids)) {
         assert_eq!(msg.msg_id, id.to_string(), "Nats-Msg-Id is the row id");
-        assert_eq!(msg.subject, format!("{}.order.{}", stream.prefix, event.order_id));
+        assert_eq!(
+            msg.subject,
+            format!("{}.order.{}", stream.prefix, event.order_id)
+        );
         assert_eq!(msg.aggregate_type, "order");
         assert_eq!(msg.aggregate_id, event.order_id);
         assert_eq!(msg.event_type, "order.placed");
@@ -120,7 +139,10 @@ async fn committed_transaction_publishes_one_message_per_event_with_the_contract
         let created = h("Outbox-Created-At").expect("Outbox-Created-At");
         chrono::DateTime::parse_from_rfc3339(&created).expect("RFC 3339");
     }
-    assert_eq!(db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL"), 0);
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL"),
+        0
+    );
 }
 
 #[tokio::test]
@@ -132,20 +154,31 @@ async fn rolled_back_transaction_publishes_nothing() {
         diesel::insert_into(orders::table)
             .values((orders::id.eq("o-1"), orders::total.eq(10)))
             .execute(conn)?;
-        conn.record_event(&OrderPlaced { order_id: "o-1".into(), n: 1 })?;
+        conn.record_event(&OrderPlaced {
+            order_id: "o-1".into(),
+            n: 1,
+        })?;
         Err(diesel::result::Error::RollbackTransaction)
     });
     assert!(result.is_err());
     // and one that fails on a constraint after recording
     let result: Result<(), diesel::result::Error> = conn.transaction(|conn| {
-        conn.record_event(&OrderPlaced { order_id: "o-2".into(), n: 2 })?;
+        conn.record_event(&OrderPlaced {
+            order_id: "o-2".into(),
+            n: 2,
+        })?;
         diesel::sql_query("INSERT INTO orders VALUES ('x', 1), ('x', 2)").execute(conn)?;
         Ok(())
     });
     assert!(result.is_err(), "duplicate key rolls back");
     // a committed one after them, so we know when the relay has caught up
-    conn.transaction(|conn| conn.record_event(&OrderPlaced { order_id: "o-3".into(), n: 3 }))
-        .expect("commit");
+    conn.transaction(|conn| {
+        conn.record_event(&OrderPlaced {
+            order_id: "o-3".into(),
+            n: 3,
+        })
+    })
+    .expect("commit");
     assert_eq!(db.scalar("SELECT count(*) FROM outbox"), 1);
     assert_eq!(db.scalar("SELECT count(*) FROM orders"), 0);
 
@@ -161,15 +194,38 @@ async fn rolled_back_transaction_publishes_nothing() {
 async fn recording_outside_a_transaction_is_refused_and_writes_nothing() {
     let db = TestDb::new();
     let mut conn = db.conn();
-    let err = conn.record_event(&OrderPlaced { order_id: "o".into(), n: 1 }).expect_err("refused");
-    assert!(matches!(err, diesel::result::Error::NotInTransaction), "{err:?}");
     let err = conn
-        .record_events(&[OrderPlaced { order_id: "o".into(), n: 1 }])
+        .record_event(&OrderPlaced {
+            order_id: "o".into(),
+            n: 1,
+        })
         .expect_err("refused");
-    assert!(matches!(err, diesel::result::Error::NotInTransaction), "{err:?}");
+    assert!(
+        matches!(err, diesel::result::Error::NotInTransaction),
+        "{err:?}"
+    );
+    let err = conn
+        .record_events(&[OrderPlaced {
+            order_id: "o".into(),
+            n: 1,
+        }])
+        .expect_err("refused");
+    assert!(
+        matches!(err, diesel::result::Error::NotInTransaction),
+        "{err:?}"
+    );
     let mut aconn = db.async_conn().await;
-    let err = aconn.record_event(&OrderPlaced { order_id: "o".into(), n: 1 }).await.expect_err("refused");
-    assert!(matches!(err, diesel::result::Error::NotInTransaction), "{err:?}");
+    let err = aconn
+        .record_event(&OrderPlaced {
+            order_id: "o".into(),
+            n: 1,
+        })
+        .await
+        .expect_err("refused");
+    assert!(
+        matches!(err, diesel::result::Error::NotInTransaction),
+        "{err:?}"
+    );
     assert_eq!(db.scalar("SELECT count(*) FROM outbox"), 0);
 }
 
@@ -185,22 +241,49 @@ struct BlobStored {
 async fn oversized_payloads_are_refused_at_record_time() {
     let db = TestDb::new();
     let mut conn = db.conn();
-    let big = BlobStored { id: 1, data: "x".repeat(1024 * 1024) };
-    let err = conn.transaction(|conn| conn.record_event(&big)).expect_err("refused");
-    let diesel::result::Error::SerializationError(inner) = &err else { panic!("{err:?}") };
-    let invalid = inner.downcast_ref::<outbox_diesel::InvalidEvent>().expect("InvalidEvent");
+    let big = BlobStored {
+        id: 1,
+        data: "x".repeat(1024 * 1024),
+    };
+    let err = conn
+        .transaction(|conn| conn.record_event(&big))
+        .expect_err("refused");
+    let diesel::result::Error::SerializationError(inner) = &err else {
+        panic!("{err:?}")
+    };
+    let invalid = inner
+        .downcast_ref::<outbox_diesel::InvalidEvent>()
+        .expect("InvalidEvent");
     assert!(invalid.is_too_large());
     assert!(err.to_string().contains("over the outbox's limit"), "{err}");
 
     // a smaller limit of its own
     let small = Outbox::default().max_payload(100);
     let err = conn
-        .transaction(|conn| conn.record_event_with(&small, &BlobStored { id: 2, data: "y".repeat(200) }))
+        .transaction(|conn| {
+            conn.record_event_with(
+                &small,
+                &BlobStored {
+                    id: 2,
+                    data: "y".repeat(200),
+                },
+            )
+        })
         .expect_err("refused");
     assert!(matches!(err, diesel::result::Error::SerializationError(_)));
     // a batch with one oversized event writes none of them
-    let batch = [BlobStored { id: 3, data: "ok".into() }, BlobStored { id: 4, data: "z".repeat(300) }];
-    conn.transaction(|conn| conn.record_events_with(&small, &batch)).expect_err("refused");
+    let batch = [
+        BlobStored {
+            id: 3,
+            data: "ok".into(),
+        },
+        BlobStored {
+            id: 4,
+            data: "z".repeat(300),
+        },
+    ];
+    conn.transaction(|conn| conn.record_events_with(&small, &batch))
+        .expect_err("refused");
     assert_eq!(db.scalar("SELECT count(*) FROM outbox"), 0);
 }
 
@@ -210,28 +293,53 @@ async fn a_row_published_twice_is_one_message_in_the_stream() {
     let mut conn = db.conn();
     conn.transaction(|conn| {
         conn.record_events(&[
-            OrderPlaced { order_id: "a".into(), n: 1 },
-            OrderPlaced { order_id: "b".into(), n: 2 },
+            OrderPlaced {
+                order_id: "a".into(),
+                n: 1,
+            },
+            OrderPlaced {
+                order_id: "b".into(),
+                n: 2,
+            },
         ])
     })
     .expect("commit");
     let relay = InProcessRelay::start(config(&db, &stream), &stream).await;
     wait_published(&db, 2).await;
     // the relay died between publish and mark: the rows look unpublished again
-    diesel::sql_query("UPDATE outbox SET published_at = NULL").execute(&mut conn).expect("reset");
+    diesel::sql_query("UPDATE outbox SET published_at = NULL")
+        .execute(&mut conn)
+        .expect("reset");
     wait_published(&db, 2).await;
     relay.stop().await;
-    assert_eq!(stream.count().await, 2, "JetStream dropped the re-published rows by Nats-Msg-Id");
+    assert_eq!(
+        stream.count().await,
+        2,
+        "JetStream dropped the re-published rows by Nats-Msg-Id"
+    );
 }
 
 #[tokio::test]
 async fn hostile_aggregate_ids_make_valid_subjects_that_round_trip() {
     let (db, stream) = (TestDb::new(), TestStream::new());
-    let ids = ["a.b", "*", ">", "two words", "tab\there", "Zürich", "日本.>", "%2E", "a..b"];
+    let ids = [
+        "a.b",
+        "*",
+        ">",
+        "two words",
+        "tab\there",
+        "Zürich",
+        "日本.>",
+        "%2E",
+        "a..b",
+    ];
     let mut conn = db.conn();
     conn.transaction(|conn| {
         for (n, id) in ids.iter().enumerate() {
-            conn.record_event(&OrderPlaced { order_id: (*id).into(), n: n as i64 })?;
+            conn.record_event(&OrderPlaced {
+                order_id: (*id).into(),
+                n: n as i64,
+            })?;
         }
         Ok::<_, diesel::result::Error>(())
     })
@@ -245,8 +353,18 @@ async fn hostile_aggregate_ids_make_valid_subjects_that_round_trip() {
     for (msg, id) in got.iter().zip(ids) {
         let tokens: Vec<&str> = msg.subject.split('.').collect();
         assert_eq!(tokens.len(), 3, "{}", msg.subject);
-        assert!(tokens.iter().all(|t| !t.is_empty() && *t != "*" && *t != ">"), "{}", msg.subject);
-        assert!(msg.subject.chars().all(|c| c.is_ascii_graphic()), "{}", msg.subject);
+        assert!(
+            tokens
+                .iter()
+                .all(|t| !t.is_empty() && *t != "*" && *t != ">"),
+            "{}",
+            msg.subject
+        );
+        assert!(
+            msg.subject.chars().all(|c| c.is_ascii_graphic()),
+            "{}",
+            msg.subject
+        );
         assert_eq!(template.aggregate_id_of(&msg.subject).as_deref(), Some(id));
         assert_eq!(msg.aggregate_id, id, "the header carries the raw id");
     }
@@ -276,12 +394,22 @@ async fn a_schema_qualified_table_of_another_name_works_end_to_end() {
     let (db, stream) = (TestDb::new(), TestStream::new());
     let table: OutboxTable = "billing.events".parse().expect("name");
     let mut conn = db.conn();
-    diesel::sql_query("CREATE SCHEMA billing").execute(&mut conn).expect("schema");
+    diesel::sql_query("CREATE SCHEMA billing")
+        .execute(&mut conn)
+        .expect("schema");
     outbox_diesel::create_table(&mut conn, &table).expect("create table");
     outbox_diesel::create_table(&mut conn, &table).expect("create table is idempotent");
     let billing = Outbox::new(table.clone());
-    conn.transaction(|conn| conn.record_event_with(&billing, &OrderPlaced { order_id: "b-1".into(), n: 1 }))
-        .expect("commit");
+    conn.transaction(|conn| {
+        conn.record_event_with(
+            &billing,
+            &OrderPlaced {
+                order_id: "b-1".into(),
+                n: 1,
+            },
+        )
+    })
+    .expect("commit");
     assert_eq!(db.scalar("SELECT count(*) FROM outbox"), 0);
     let relay = InProcessRelay::start(config(&db, &stream).table(table), &stream).await;
     wait_until(Duration::from_secs(30), "published", || async {
@@ -301,26 +429,40 @@ async fn async_and_pooled_connections_record_in_their_transaction() {
     let db = TestDb::new();
     let mut conn = db.async_conn().await;
     conn.transaction(async |conn| {
-        conn.record_event(&OrderPlaced { order_id: "async-1".into(), n: 1 }).await?;
+        conn.record_event(&OrderPlaced {
+            order_id: "async-1".into(),
+            n: 1,
+        })
+        .await?;
         Ok::<_, diesel::result::Error>(())
     })
     .await
     .expect("commit");
     let rolled_back: Result<(), diesel::result::Error> = conn
         .transaction(async |conn| {
-            conn.record_event(&OrderPlaced { order_id: "async-2".into(), n: 2 }).await?;
+            conn.record_event(&OrderPlaced {
+                order_id: "async-2".into(),
+                n: 2,
+            })
+            .await?;
             Err(diesel::result::Error::RollbackTransaction)
         })
         .await;
     assert!(rolled_back.is_err());
 
-    let pool = Pool::builder(AsyncDieselConnectionManager::<diesel_async::AsyncPgConnection>::new(&db.url))
-        .build()
-        .expect("pool");
+    let pool = Pool::builder(AsyncDieselConnectionManager::<
+        diesel_async::AsyncPgConnection,
+    >::new(&db.url))
+    .build()
+    .expect("pool");
     let mut pooled = pool.get().await.expect("pooled connection");
     pooled
         .transaction(async |conn| {
-            conn.record_events(&[OrderPlaced { order_id: "pooled-1".into(), n: 3 }]).await?;
+            conn.record_events(&[OrderPlaced {
+                order_id: "pooled-1".into(),
+                n: 3,
+            }])
+            .await?;
             Ok::<_, diesel::result::Error>(())
         })
         .await
@@ -328,19 +470,33 @@ async fn async_and_pooled_connections_record_in_their_transaction() {
 
     let r2d2 = diesel::r2d2::Pool::builder()
         .max_size(1)
-        .build(diesel::r2d2::ConnectionManager::<PgConnection>::new(&db.url))
+        .build(diesel::r2d2::ConnectionManager::<PgConnection>::new(
+            &db.url,
+        ))
         .expect("r2d2 pool");
     let mut c = r2d2.get().expect("r2d2 connection");
-    c.transaction(|conn| conn.record_event(&OrderPlaced { order_id: "r2d2-1".into(), n: 4 }))
-        .expect("commit");
+    c.transaction(|conn| {
+        conn.record_event(&OrderPlaced {
+            order_id: "r2d2-1".into(),
+            n: 4,
+        })
+    })
+    .expect("commit");
     assert!(matches!(
-        c.record_event(&OrderPlaced { order_id: "r2d2-2".into(), n: 5 }),
+        c.record_event(&OrderPlaced {
+            order_id: "r2d2-2".into(),
+            n: 5
+        }),
         Err(diesel::result::Error::NotInTransaction)
     ));
 
     let mut ids: Vec<String> = {
         use outbox_diesel::schema::outbox::dsl::*;
-        outbox.select(aggregate_id).order(seq).load(&mut db.conn()).expect("load")
+        outbox
+            .select(aggregate_id)
+            .order(seq)
+            .load(&mut db.conn())
+            .expect("load")
     };
     ids.sort();
     assert_eq!(ids, ["async-1", "pooled-1", "r2d2-1"]);
@@ -366,7 +522,10 @@ async fn ten_thousand_events_from_eight_writers_arrive_complete_and_in_order_per
                     diesel::sql_query("SELECT pg_advisory_xact_lock(hashtext($1))")
                         .bind::<diesel::sql_types::Text, _>(&agg)
                         .execute(conn)?;
-                    conn.record_event(&OrderPlaced { order_id: agg.clone(), n })
+                    conn.record_event(&OrderPlaced {
+                        order_id: agg.clone(),
+                        n,
+                    })
                 })
                 .expect("commit");
             }
@@ -385,15 +544,24 @@ async fn ten_thousand_events_from_eight_writers_arrive_complete_and_in_order_per
     let mut conn = db.conn();
     let rows: Vec<(i64, uuid::Uuid, String)> = {
         use outbox_diesel::schema::outbox::dsl::*;
-        outbox.select((seq, id, aggregate_id)).order(seq).load(&mut conn).expect("rows")
+        outbox
+            .select((seq, id, aggregate_id))
+            .order(seq)
+            .load(&mut conn)
+            .expect("rows")
     };
     let mut expected: HashMap<String, Vec<String>> = HashMap::new();
     for (_, id, agg) in &rows {
-        expected.entry(agg.clone()).or_default().push(id.to_string());
+        expected
+            .entry(agg.clone())
+            .or_default()
+            .push(id.to_string());
     }
     let mut seen: HashMap<String, Vec<String>> = HashMap::new();
     for m in &got {
-        seen.entry(m.aggregate_id.clone()).or_default().push(m.msg_id.clone());
+        seen.entry(m.aggregate_id.clone())
+            .or_default()
+            .push(m.msg_id.clone());
     }
     assert_eq!(seen.len(), AGGREGATES);
     for (agg, ids) in &expected {

@@ -8,7 +8,8 @@
 //!   insert it inside the caller's `conn.transaction`;
 //! - [`MIGRATIONS`] / [`create_table`] create the table, [`schema::outbox`] is its Diesel
 //!   definition;
-//! - [`relay`] (feature `async`) is the relay's database side: claim, mark, leases.
+//! - [`relay`] (feature `async`) is the relay's database side: claim, mark, leases;
+//! - [`wal`] (feature `async`) is log tailing's: the slot, the publication, reading the WAL.
 //!
 //! ```
 //! use diesel::prelude::*;
@@ -43,6 +44,8 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod event;
+pub mod headers;
+pub mod inbox;
 mod record;
 #[cfg(feature = "async")]
 mod record_async;
@@ -50,8 +53,14 @@ mod record_async;
 pub mod relay;
 pub mod schema;
 mod table;
+#[cfg(feature = "async")]
+pub mod wal;
 
 pub use event::{OutboxEvent, TokenError, check_event_type, check_subject_token};
+pub use headers::EventHeaders;
+#[cfg(feature = "async")]
+pub use inbox::AsyncInboxExt;
+pub use inbox::{Inbox, InboxExt};
 pub use record::{DEFAULT_MAX_PAYLOAD, InvalidEvent, Notify, Outbox, OutboxExt};
 #[cfg(feature = "async")]
 pub use record_async::AsyncOutboxExt;

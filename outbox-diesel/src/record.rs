@@ -13,7 +13,8 @@ use diesel::connection::TransactionManager;
 use diesel::{Connection, QueryResult, RunQueryDsl};
 use uuid::Uuid;
 
-use crate::{OutboxEvent, OutboxTable, check_event_type, check_subject_token};
+use crate::headers::HeadersHook;
+use crate::{EventHeaders, OutboxEvent, OutboxTable, check_event_type, check_subject_token};
 
 /// NATS's default `max_payload`: the default limit on a recorded payload.
 pub const DEFAULT_MAX_PAYLOAD: usize = 1024 * 1024;
@@ -63,6 +64,8 @@ pub struct Outbox {
     max_payload: usize,
     notify: Notify,
     channel: String,
+    delete_after_insert: bool,
+    headers_hook: Option<HeadersHook>,
     /// Milliseconds since [`epoch`] of the last notification, plus one (0 = never).
     last_notify: AtomicU64,
 }
@@ -74,6 +77,8 @@ impl Clone for Outbox {
             max_payload: self.max_payload,
             notify: self.notify,
             channel: self.channel.clone(),
+            delete_after_insert: self.delete_after_insert,
+            headers_hook: self.headers_hook.clone(),
             last_notify: AtomicU64::new(self.last_notify.load(Ordering::Relaxed)),
         }
     }
@@ -84,6 +89,9 @@ impl Default for Outbox {
         Outbox::new(OutboxTable::DEFAULT)
     }
 }
+
+/// The outbox of [`Outbox::global`].
+static GLOBAL: OnceLock<Outbox> = OnceLock::new();
 
 fn epoch() -> Instant {
     static EPOCH: OnceLock<Instant> = OnceLock::new();
@@ -99,15 +107,62 @@ impl Outbox {
             max_payload: DEFAULT_MAX_PAYLOAD,
             notify: Notify::default(),
             channel,
+            delete_after_insert: false,
+            headers_hook: None,
             last_notify: AtomicU64::new(0),
         }
     }
 
     /// The outbox that [`OutboxExt::record_event`] and [`AsyncOutboxExt`](crate::AsyncOutboxExt)
-    /// use: table `outbox`, 1 MiB payloads, debounced `NOTIFY`.
+    /// use: table `outbox`, 1 MiB payloads, debounced `NOTIFY`, unless [`Outbox::set_global`]
+    /// replaced it.
     pub fn global() -> &'static Outbox {
-        static GLOBAL: OnceLock<Outbox> = OnceLock::new();
         GLOBAL.get_or_init(Outbox::default)
+    }
+
+    /// Makes `outbox` the one [`OutboxExt::record_event`] and
+    /// [`AsyncOutboxExt`](crate::AsyncOutboxExt) use, e.g. with a [`Outbox::headers_from`]
+    /// hook that records the current trace. Call it once at start-up, before the first
+    /// recording; it gives `outbox` back when the default outbox is already set or in use.
+    ///
+    /// ```
+    /// use outbox_diesel::{EventHeaders, Outbox};
+    ///
+    /// let outbox = Outbox::default().headers_from(|| EventHeaders::new().with("service", "shop"));
+    /// if Outbox::set_global(outbox).is_err() {
+    ///     eprintln!("the default outbox was already in use");
+    /// }
+    /// ```
+    #[allow(clippy::result_large_err)] // gives the outbox back whole, as `OnceLock::set` does
+    pub fn set_global(outbox: Outbox) -> Result<(), Outbox> {
+        GLOBAL.set(outbox)
+    }
+
+    /// Asks `hook` for headers at every recording of this outbox and stores them with each
+    /// event (headers passed to [`Outbox::record_with_headers`] win over the hook's). The
+    /// relay sends them as NATS headers.
+    ///
+    /// Its use: the W3C `traceparent` of the current span, so that a consumer's span joins the
+    /// producer's trace. The hook keeps this crate free of any tracing backend; with
+    /// `tracing-opentelemetry` it reads the current span's context (see the README,
+    /// "Tracing"). A hook that has nothing to add returns [`EventHeaders::new`].
+    ///
+    /// ```
+    /// use outbox_diesel::{EventHeaders, Outbox};
+    ///
+    /// fn current_traceparent() -> Option<String> {
+    ///     // e.g. from tracing-opentelemetry: Span::current().context().span().span_context()
+    ///     None
+    /// }
+    ///
+    /// let outbox = Outbox::default().headers_from(|| {
+    ///     current_traceparent().map(EventHeaders::traceparent).unwrap_or_default()
+    /// });
+    /// # let _ = outbox;
+    /// ```
+    pub fn headers_from(mut self, hook: impl Fn() -> EventHeaders + Send + Sync + 'static) -> Self {
+        self.headers_hook = Some(HeadersHook(std::sync::Arc::new(hook)));
+        self
     }
 
     /// Refuses payloads whose JSON is longer than `bytes` (default 1 MiB, NATS's default
@@ -121,6 +176,30 @@ impl Outbox {
     pub fn notify(mut self, notify: Notify) -> Self {
         self.notify = notify;
         self
+    }
+
+    /// For the `log-tailing` relay only: delete each recorded row again right after
+    /// inserting it, in the same transaction (default off).
+    ///
+    /// The log-tailing relay reads the INSERT from the WAL, where it stays after the DELETE,
+    /// and ignores deletes, so every event is still delivered while the table stays empty:
+    /// no cleanup, no bloat beyond what vacuum reclaims. A polling relay (`ordered`,
+    /// `unordered`) never sees such rows: use it with log tailing alone. The DELETE is a
+    /// second statement (a data-modifying `WITH` cannot see the rows its sibling inserts).
+    ///
+    /// ```
+    /// let outbox = outbox_diesel::Outbox::default().delete_after_insert(true);
+    /// # let _ = outbox;
+    /// ```
+    pub fn delete_after_insert(mut self, on: bool) -> Self {
+        self.delete_after_insert = on;
+        self
+    }
+
+    /// Whether rows are deleted right after they are inserted (see
+    /// [`Outbox::delete_after_insert`]).
+    pub fn deletes_after_insert(&self) -> bool {
+        self.delete_after_insert
     }
 
     /// The table this outbox records into.
@@ -139,7 +218,43 @@ impl Outbox {
         C: Connection<Backend = Pg>,
         E: OutboxEvent + ?Sized,
     {
-        let batch = self.prepare(std::iter::once(event))?;
+        self.record_with_headers(conn, event, &EventHeaders::new())
+    }
+
+    /// Records `event` with `headers` (and those of the [`Outbox::headers_from`] hook, which
+    /// `headers` override) inside the transaction open on `conn`; returns its message id.
+    /// The relay sends every header as a NATS header of the event's message. Refuses as
+    /// [`Outbox::record`] does, and when a header is invalid (see [`EventHeaders`]).
+    ///
+    /// ```
+    /// use diesel::prelude::*;
+    /// use outbox_diesel::{EventHeaders, Outbox, OutboxEvent};
+    /// # #[derive(serde::Serialize, OutboxEvent)]
+    /// # #[outbox(aggregate_type = "order", event_type = "order.placed")]
+    /// # struct OrderPlaced { #[outbox(aggregate_id)] order_id: i64 }
+    /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// # let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1/test".into());
+    /// # let mut conn = PgConnection::establish(&url)?;
+    /// # let conn = &mut conn;
+    /// # conn.begin_test_transaction()?;
+    /// # outbox_diesel::create_table(conn, &outbox_diesel::OutboxTable::DEFAULT)?;
+    /// let trace = EventHeaders::traceparent("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
+    /// conn.transaction(|conn| {
+    ///     Outbox::global().record_with_headers(conn, &OrderPlaced { order_id: 7 }, &trace)
+    /// })?;
+    /// # Ok(()) }
+    /// ```
+    pub fn record_with_headers<C, E>(
+        &self,
+        conn: &mut C,
+        event: &E,
+        headers: &EventHeaders,
+    ) -> QueryResult<Uuid>
+    where
+        C: Connection<Backend = Pg>,
+        E: OutboxEvent + ?Sized,
+    {
+        let batch = self.prepare(std::iter::once(event), headers)?;
         ensure_in_transaction(C::TransactionManager::transaction_manager_status_mut(conn))?;
         let ids = batch.ids.clone();
         self.execute_sync(conn, batch)?;
@@ -153,7 +268,22 @@ impl Outbox {
         C: Connection<Backend = Pg>,
         E: OutboxEvent,
     {
-        let batch = self.prepare(events.iter())?;
+        self.record_all_with_headers(conn, events, &EventHeaders::new())
+    }
+
+    /// [`Outbox::record_all`] with `headers` on every event (see
+    /// [`Outbox::record_with_headers`]).
+    pub fn record_all_with_headers<C, E>(
+        &self,
+        conn: &mut C,
+        events: &[E],
+        headers: &EventHeaders,
+    ) -> QueryResult<Vec<Uuid>>
+    where
+        C: Connection<Backend = Pg>,
+        E: OutboxEvent,
+    {
+        let batch = self.prepare(events.iter(), headers)?;
         ensure_in_transaction(C::TransactionManager::transaction_manager_status_mut(conn))?;
         let ids = batch.ids.clone();
         if !ids.is_empty() {
@@ -168,19 +298,42 @@ impl Outbox {
         batch: InsertEvents,
     ) -> QueryResult<()> {
         let _span = tracing::debug_span!("outbox.record", outbox.table = %self.table, batch.len = batch.ids.len()).entered();
+        let delete = self.delete_after_insert.then(|| batch.ids.clone());
         batch.execute(conn)?;
+        if let Some(ids) = delete {
+            DeleteEvents {
+                table: &self.table,
+                ids: &ids,
+            }
+            .execute(conn)?;
+        }
         if self.notify_due() {
             NotifyQuery { channel: self.channel() }.execute(conn)?;
         }
         Ok(())
     }
 
-    /// Turns events into the rows to insert, checking each one.
-    pub(crate) fn prepare<'e, E, I>(&self, events: I) -> QueryResult<InsertEvents>
+    /// Turns events into the rows to insert, checking each one; every row gets the hook's
+    /// headers with `extra` over them.
+    pub(crate) fn prepare<'e, E, I>(
+        &self,
+        events: I,
+        extra: &EventHeaders,
+    ) -> QueryResult<InsertEvents>
     where
         E: OutboxEvent + ?Sized + 'e,
         I: Iterator<Item = &'e E>,
     {
+        let headers = match &self.headers_hook {
+            Some(hook) => {
+                let mut h = (hook.0)();
+                h.merge(extra);
+                std::borrow::Cow::Owned(h)
+            }
+            None => std::borrow::Cow::Borrowed(extra),
+        };
+        let headers_checked = headers.check();
+        let headers_json = headers.to_json();
         let (lower, _) = events.size_hint();
         let mut batch = InsertEvents::with_capacity(self.table.clone(), lower);
         for event in events {
@@ -190,6 +343,9 @@ impl Outbox {
                     reason,
                 }))
             };
+            if let Err((name, why)) = &headers_checked {
+                return Err(invalid(Reason::Header(name.clone(), why)));
+            }
             let aggregate_type = event.aggregate_type();
             if let Err(e) = check_subject_token(aggregate_type) {
                 return Err(invalid(Reason::AggregateType(aggregate_type.to_owned(), e)));
@@ -213,7 +369,7 @@ impl Outbox {
             batch.aggregate_ids.push(aggregate_id);
             batch.event_types.push(event.event_type().to_owned());
             batch.payloads.push(payload);
-            batch.headers.push(String::from("{}"));
+            batch.headers.push(headers_json.clone());
         }
         Ok(batch)
     }
@@ -296,6 +452,8 @@ enum Reason {
     EventType(crate::TokenError),
     #[error("its payload could not be serialised to JSON")]
     Json(#[source] serde_json::Error),
+    #[error("its header {0:?} cannot be recorded: {1}")]
+    Header(String, &'static str),
 }
 
 /// The multi-row insert: one statement with six array parameters, whatever the row count, so
@@ -355,6 +513,32 @@ impl QueryFragment<Pg> for InsertEvents {
 }
 
 impl<Conn> RunQueryDsl<Conn> for InsertEvents {}
+
+/// `DELETE FROM table WHERE id = ANY($1)`: the second half of
+/// [`Outbox::delete_after_insert`].
+#[derive(Debug)]
+pub(crate) struct DeleteEvents<'a> {
+    pub(crate) table: &'a OutboxTable,
+    pub(crate) ids: &'a [Uuid],
+}
+
+impl QueryId for DeleteEvents<'_> {
+    type QueryId = ();
+    const HAS_STATIC_QUERY_ID: bool = false;
+}
+
+impl QueryFragment<Pg> for DeleteEvents<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql("DELETE FROM ");
+        self.table.walk_ast(&mut out)?;
+        out.push_sql(" WHERE id = ANY(");
+        out.push_bind_param::<Array<SqlUuid>, _>(self.ids)?;
+        out.push_sql(")");
+        Ok(())
+    }
+}
+
+impl<Conn> RunQueryDsl<Conn> for DeleteEvents<'_> {}
 
 /// `SELECT pg_notify($1, '')`.
 #[derive(Debug)]
@@ -416,6 +600,14 @@ pub trait OutboxExt {
     /// Records `events` with one multi-row `INSERT`; see [`Outbox::record_all`].
     fn record_events<E: OutboxEvent>(&mut self, events: &[E]) -> QueryResult<Vec<Uuid>>;
 
+    /// Records `event` in the default outbox with `headers` (e.g. a `traceparent`); see
+    /// [`Outbox::record_with_headers`].
+    fn record_event_with_headers<E: OutboxEvent + ?Sized>(
+        &mut self,
+        event: &E,
+        headers: &EventHeaders,
+    ) -> QueryResult<Uuid>;
+
     /// Records `event` in `outbox` (another table, limit or wake-up policy).
     fn record_event_with<E: OutboxEvent + ?Sized>(
         &mut self,
@@ -441,6 +633,14 @@ where
 
     fn record_events<E: OutboxEvent>(&mut self, events: &[E]) -> QueryResult<Vec<Uuid>> {
         Outbox::global().record_all(self, events)
+    }
+
+    fn record_event_with_headers<E: OutboxEvent + ?Sized>(
+        &mut self,
+        event: &E,
+        headers: &EventHeaders,
+    ) -> QueryResult<Uuid> {
+        Outbox::global().record_with_headers(self, event, headers)
     }
 
     fn record_event_with<E: OutboxEvent + ?Sized>(

@@ -7,8 +7,8 @@ use diesel::pg::Pg;
 use diesel_async::{AsyncConnection, RunQueryDsl, TransactionManager};
 use uuid::Uuid;
 
-use crate::record::{InsertEvents, NotifyQuery, ensure_in_transaction};
-use crate::{Outbox, OutboxEvent};
+use crate::record::{DeleteEvents, InsertEvents, NotifyQuery, ensure_in_transaction};
+use crate::{EventHeaders, Outbox, OutboxEvent};
 
 impl Outbox {
     /// [`Outbox::record`] on an async connection.
@@ -21,7 +21,27 @@ impl Outbox {
         C: AsyncConnection<Backend = Pg>,
         E: OutboxEvent + ?Sized,
     {
-        let batch = self.prepare(std::iter::once(event));
+        let batch = self.prepare(std::iter::once(event), &EventHeaders::new());
+        async move {
+            let batch = batch?;
+            let id = batch.ids[0];
+            self.execute_async(conn, batch).await?;
+            Ok(id)
+        }
+    }
+
+    /// [`Outbox::record_with_headers`] on an async connection.
+    pub fn record_with_headers_async<'c, C, E>(
+        &'c self,
+        conn: &'c mut C,
+        event: &E,
+        headers: &EventHeaders,
+    ) -> impl Future<Output = QueryResult<Uuid>> + Send + 'c
+    where
+        C: AsyncConnection<Backend = Pg>,
+        E: OutboxEvent + ?Sized,
+    {
+        let batch = self.prepare(std::iter::once(event), headers);
         async move {
             let batch = batch?;
             let id = batch.ids[0];
@@ -40,7 +60,29 @@ impl Outbox {
         C: AsyncConnection<Backend = Pg>,
         E: OutboxEvent,
     {
-        let batch = self.prepare(events.iter());
+        let batch = self.prepare(events.iter(), &EventHeaders::new());
+        async move {
+            let batch = batch?;
+            let ids = batch.ids.clone();
+            if !ids.is_empty() {
+                self.execute_async(conn, batch).await?;
+            }
+            Ok(ids)
+        }
+    }
+
+    /// [`Outbox::record_all_with_headers`] on an async connection.
+    pub fn record_all_with_headers_async<'c, C, E>(
+        &'c self,
+        conn: &'c mut C,
+        events: &[E],
+        headers: &EventHeaders,
+    ) -> impl Future<Output = QueryResult<Vec<Uuid>>> + Send + 'c
+    where
+        C: AsyncConnection<Backend = Pg>,
+        E: OutboxEvent,
+    {
+        let batch = self.prepare(events.iter(), headers);
         async move {
             let batch = batch?;
             let ids = batch.ids.clone();
@@ -57,7 +99,16 @@ impl Outbox {
     {
         ensure_in_transaction(C::TransactionManager::transaction_manager_status_mut(conn))?;
         tracing::debug!(outbox.table = %self.table(), batch.len = batch.ids.len(), "outbox.record");
+        let delete = self.deletes_after_insert().then(|| batch.ids.clone());
         batch.execute(conn).await?;
+        if let Some(ids) = delete {
+            DeleteEvents {
+                table: self.table(),
+                ids: &ids,
+            }
+            .execute(conn)
+            .await?;
+        }
         if self.notify_due() {
             NotifyQuery { channel: self.channel() }.execute(conn).await?;
         }
@@ -104,6 +155,14 @@ pub trait AsyncOutboxExt {
         events: &[E],
     ) -> impl Future<Output = QueryResult<Vec<Uuid>>> + Send;
 
+    /// Records `event` in the default outbox with `headers` (e.g. a `traceparent`); see
+    /// [`Outbox::record_with_headers`].
+    fn record_event_with_headers<'c, E: OutboxEvent + ?Sized>(
+        &'c mut self,
+        event: &E,
+        headers: &EventHeaders,
+    ) -> impl Future<Output = QueryResult<Uuid>> + Send + 'c;
+
     /// Records `event` in `outbox`.
     fn record_event_with<'c, E: OutboxEvent + ?Sized>(
         &'c mut self,
@@ -135,6 +194,14 @@ where
         events: &[E],
     ) -> impl Future<Output = QueryResult<Vec<Uuid>>> + Send {
         Outbox::global().record_all_async(self, events)
+    }
+
+    fn record_event_with_headers<'c, E: OutboxEvent + ?Sized>(
+        &'c mut self,
+        event: &E,
+        headers: &EventHeaders,
+    ) -> impl Future<Output = QueryResult<Uuid>> + Send + 'c {
+        Outbox::global().record_with_headers_async(self, event, headers)
     }
 
     fn record_event_with<'c, E: OutboxEvent + ?Sized>(

@@ -155,7 +155,8 @@ pub async fn fetch_unpublished(
 }
 
 /// [`fetch_unpublished`] for several partitions (of `count`) at once: one query, in `seq`
-/// order across them.
+/// order across them. Traced as the span `outbox.claim`.
+#[tracing::instrument(name = "outbox.claim", level = "debug", skip_all, fields(outbox.table = %table, outbox.partitions = partitions.len()))]
 pub async fn fetch_partitions(
     conn: &mut AsyncPgConnection,
     table: &OutboxTable,
@@ -198,15 +199,27 @@ pub async fn held_back_aggregates(
 /// unpublished rows whatever the table's statistics say. A table that fills faster than
 /// autovacuum analyzes it has statistics that call it empty, and the planner would then sort
 /// the whole backlog on every poll; the relay's session therefore disables sorts and
-/// sequential scans, which leaves the index scans the queries are written for.
+/// sequential scans, which leaves the index scans the queries are written for. It also turns
+/// JIT off: a disabled plan node costs 10^10, far above `jit_above_cost`, and compiling the
+/// session's small queries (the membership query on `pg_locks`, which must sort) would take
+/// most of a second each.
+///
+/// Its commits (the marks) do not wait for the WAL flush (`synchronous_commit = off`): a mark
+/// lost in a database crash only makes the relay publish the row again, which JetStream drops
+/// by its message id, the same outcome as a relay that dies between publish and mark.
 pub async fn prepare_session(conn: &mut AsyncPgConnection) -> QueryResult<()> {
     use diesel_async::SimpleAsyncConnection;
-    conn.batch_execute("SET enable_sort = off; SET enable_seqscan = off").await
+    conn.batch_execute(
+        "SET enable_sort = off; SET enable_seqscan = off; SET jit = off; \
+         SET synchronous_commit = off",
+    )
+    .await
 }
 
 /// For competing workers, inside a transaction: locks and returns up to `limit` unpublished,
 /// unparked rows, oldest first, skipping rows other workers hold. Order across workers is not
-/// kept.
+/// kept. Traced as the span `outbox.claim`.
+#[tracing::instrument(name = "outbox.claim", level = "debug", skip_all, fields(outbox.table = %table))]
 pub async fn claim_unpublished(
     conn: &mut AsyncPgConnection,
     table: &OutboxTable,
@@ -249,6 +262,8 @@ impl QueryFragment<Pg> for MarkPublished<'_> {
 impl<Conn> diesel::RunQueryDsl<Conn> for MarkPublished<'_> {}
 
 /// Sets `published_at` on the rows `seqs` (those JetStream acked); returns how many it marked.
+/// Traced as the span `outbox.mark`.
+#[tracing::instrument(name = "outbox.mark", level = "debug", skip_all, fields(outbox.table = %table, batch.len = seqs.len()))]
 pub async fn mark_published(
     conn: &mut AsyncPgConnection,
     table: &OutboxTable,
@@ -336,7 +351,8 @@ pub async fn unlock_partition(
     Ok(f.flag.unwrap_or(false))
 }
 
-/// The backlog of a table: unpublished rows, the age of the oldest, parked rows.
+/// The backlog of a table: unpublished rows, the age of the oldest, parked rows, and the rows
+/// whose publishing was attempted and failed (in doubt).
 #[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize)]
 pub struct Backlog {
     /// Rows not published yet (parked ones included).
@@ -348,6 +364,14 @@ pub struct Backlog {
     /// Rows the relay gave up on.
     #[diesel(sql_type = BigInt)]
     pub parked: i64,
+    /// Unpublished rows with failed attempts (`attempts > 0`, parked ones included): their
+    /// publishing was tried, so JetStream may hold a copy, and a re-publish older than the
+    /// stream's duplicate window is a real duplicate.
+    #[diesel(sql_type = BigInt)]
+    pub in_doubt: i64,
+    /// Seconds since the oldest in-doubt row was recorded; 0 when there is none.
+    #[diesel(sql_type = diesel::sql_types::Double)]
+    pub oldest_in_doubt_age_seconds: f64,
 }
 
 /// Reads the backlog of `table`.
@@ -355,7 +379,10 @@ pub async fn backlog(conn: &mut AsyncPgConnection, table: &OutboxTable) -> Query
     diesel::sql_query(format!(
         "SELECT count(*) AS unpublished, \
          COALESCE(EXTRACT(EPOCH FROM now() - min(created_at)), 0)::float8 AS oldest_age_seconds, \
-         count(*) FILTER (WHERE parked_at IS NOT NULL) AS parked \
+         count(*) FILTER (WHERE parked_at IS NOT NULL) AS parked, \
+         count(*) FILTER (WHERE attempts > 0) AS in_doubt, \
+         COALESCE(EXTRACT(EPOCH FROM now() - min(created_at) FILTER (WHERE attempts > 0)), 0)::float8 \
+         AS oldest_in_doubt_age_seconds \
          FROM {} WHERE published_at IS NULL",
         table.quoted()
     ))
@@ -363,8 +390,150 @@ pub async fn backlog(conn: &mut AsyncPgConnection, table: &OutboxTable) -> Query
     .await
 }
 
-/// Deletes up to `limit` rows published more than `older_than` ago; returns how many.
-/// Bounded batches keep locks short; call it until it returns less than `limit`.
+/// The backlog of one partition (see [`partition_backlog`]).
+#[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize)]
+pub struct PartitionBacklog {
+    /// The partition: `aggregate_hash % count`.
+    #[diesel(sql_type = Integer)]
+    pub partition: i32,
+    /// Its unpublished rows (parked ones included).
+    #[diesel(sql_type = BigInt)]
+    pub unpublished: i64,
+    /// Seconds since its oldest unpublished row was recorded; 0 when there is none.
+    #[diesel(sql_type = diesel::sql_types::Double)]
+    pub oldest_age_seconds: f64,
+    /// Its parked rows.
+    #[diesel(sql_type = BigInt)]
+    pub parked: i64,
+}
+
+/// The backlog of every partition of `table` split into `count` partitions, partition by
+/// partition (`0..count`, empty ones included).
+pub async fn partition_backlog(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    count: u32,
+) -> QueryResult<Vec<PartitionBacklog>> {
+    diesel::sql_query(format!(
+        "SELECT p.partition, COALESCE(b.unpublished, 0) AS unpublished, \
+         COALESCE(b.oldest_age_seconds, 0)::float8 AS oldest_age_seconds, \
+         COALESCE(b.parked, 0) AS parked \
+         FROM generate_series(0, $1 - 1) AS p(partition) LEFT JOIN ( \
+         SELECT aggregate_hash % $1 AS partition, count(*) AS unpublished, \
+         EXTRACT(EPOCH FROM now() - min(created_at))::float8 AS oldest_age_seconds, \
+         count(*) FILTER (WHERE parked_at IS NOT NULL) AS parked \
+         FROM {} WHERE published_at IS NULL GROUP BY 1) b USING (partition) ORDER BY 1",
+        table.quoted()
+    ))
+    .bind::<Integer, _>(count.max(1) as i32)
+    .load(conn)
+    .await
+}
+
+/// What vacuum knows of the outbox table (`pg_stat_user_tables`): dead rows slow the poll
+/// until vacuum removes them, and it can only remove those older than the oldest snapshot
+/// still open (see [`oldest_transaction`]).
+#[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize)]
+pub struct TableStats {
+    /// Live rows, as PostgreSQL's statistics estimate them.
+    #[diesel(sql_type = BigInt)]
+    pub live_rows: i64,
+    /// Dead rows (deleted or updated row versions) not vacuumed yet.
+    #[diesel(sql_type = BigInt)]
+    pub dead_rows: i64,
+    /// The table's size on disk with its indexes and TOAST, in bytes.
+    #[diesel(sql_type = BigInt)]
+    pub total_bytes: i64,
+    /// When autovacuum last vacuumed it.
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    pub last_autovacuum: Option<DateTime<Utc>>,
+    /// When it was last vacuumed by hand.
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    pub last_vacuum: Option<DateTime<Utc>>,
+    /// How often autovacuum vacuumed it (since the statistics were reset).
+    #[diesel(sql_type = BigInt)]
+    pub autovacuum_count: i64,
+    /// When autovacuum last analyzed it.
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    pub last_autoanalyze: Option<DateTime<Utc>>,
+}
+
+/// Reads the vacuum figures of `table`; `None` when the statistics have no row for it.
+pub async fn table_stats(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+) -> QueryResult<Option<TableStats>> {
+    use diesel::OptionalExtension;
+    diesel::sql_query(format!(
+        "SELECT n_live_tup AS live_rows, n_dead_tup AS dead_rows, \
+         pg_total_relation_size(relid) AS total_bytes, last_autovacuum, last_vacuum, \
+         autovacuum_count, last_autoanalyze \
+         FROM pg_stat_user_tables WHERE relid = to_regclass({})",
+        quote_literal(&table.quoted())
+    ))
+    .get_result(conn)
+    .await
+    .optional()
+}
+
+/// The open transaction or snapshot of this database that has held back vacuum longest (see
+/// [`oldest_transaction`]).
+#[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize)]
+pub struct OldestTransaction {
+    /// Its backend's pid (`pg_stat_activity.pid`).
+    #[diesel(sql_type = Integer)]
+    pub pid: i32,
+    /// Its role.
+    #[diesel(sql_type = Nullable<Text>)]
+    pub role: Option<String>,
+    /// Its `application_name`.
+    #[diesel(sql_type = Nullable<Text>)]
+    pub application_name: Option<String>,
+    /// Its address; `None` for a Unix socket.
+    #[diesel(sql_type = Nullable<Text>)]
+    pub client_addr: Option<String>,
+    /// Its state: `active`, `idle in transaction`, ...
+    #[diesel(sql_type = Nullable<Text>)]
+    pub state: Option<String>,
+    /// Seconds since its transaction (or, outside one, its query) started.
+    #[diesel(sql_type = diesel::sql_types::Double)]
+    pub age_seconds: f64,
+    /// Transactions started since its snapshot (`age(backend_xmin)`): vacuum keeps every row
+    /// version deleted within them.
+    #[diesel(sql_type = Integer)]
+    pub xmin_age: i32,
+}
+
+/// The session of this database whose snapshot is oldest (other than the caller's), if any
+/// holds one: every row deleted or updated since it started stays on disk, and the poll wades
+/// through it, until it ends. An `idle in transaction` session here is the classic cause of a
+/// poll that slows from sub-millisecond to tens of milliseconds.
+///
+/// A role sees the snapshots of other roles' sessions only with `pg_read_all_stats` (e.g.
+/// through `pg_monitor`); without it this shows the oldest of its own role's sessions.
+pub async fn oldest_transaction(
+    conn: &mut AsyncPgConnection,
+) -> QueryResult<Option<OldestTransaction>> {
+    use diesel::OptionalExtension;
+    diesel::sql_query(
+        "SELECT pid, usename::text AS role, application_name, host(client_addr) AS client_addr, \
+         state, COALESCE(EXTRACT(EPOCH FROM now() - COALESCE(xact_start, query_start)), 0)::float8 \
+         AS age_seconds, age(COALESCE(backend_xmin, backend_xid)) AS xmin_age \
+         FROM pg_stat_activity \
+         WHERE COALESCE(backend_xmin, backend_xid) IS NOT NULL AND pid <> pg_backend_pid() \
+         AND datid = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+         ORDER BY age(COALESCE(backend_xmin, backend_xid)) DESC, xact_start LIMIT 1",
+    )
+    .get_result(conn)
+    .await
+    .optional()
+}
+
+/// Deletes up to `limit` rows published more than `older_than` ago, oldest first (found
+/// through the partial index `outbox_published`), skipping rows another cleaner has locked
+/// (`SKIP LOCKED`, so concurrent cleaners never wait on each other); returns how many.
+/// Bounded batches keep locks short; call it until it returns less than `limit`. Unpublished
+/// rows, and so the relay's poll, are never touched.
 pub async fn delete_published(
     conn: &mut AsyncPgConnection,
     table: &OutboxTable,
@@ -376,6 +545,82 @@ pub async fn delete_published(
         "DELETE FROM {t} WHERE seq IN (SELECT seq FROM {t} WHERE published_at IS NOT NULL \
          AND published_at < now() - make_interval(secs => $1) ORDER BY published_at LIMIT $2 \
          FOR UPDATE SKIP LOCKED)"
+    ))
+    .bind::<diesel::sql_types::Double, _>(older_than.as_secs_f64())
+    .bind::<BigInt, _>(limit)
+    .execute(conn)
+    .await
+}
+
+/// The plan of the relay's poll of `partitions` (of `count`; `[0]` of 1 for the whole table)
+/// as `EXPLAIN` prints it, line by line, planned in `conn`'s session: call
+/// [`prepare_session`] first to see the plan the relay gets. The poll should be an `Index
+/// Scan using outbox_unpublished` (the partial index on unpublished rows) under a `Limit`,
+/// with no `Sort` and no `Seq Scan`.
+pub async fn explain_poll(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    partitions: &[i32],
+    count: u32,
+    limit: i64,
+) -> QueryResult<Vec<String>> {
+    #[derive(QueryableByName)]
+    struct PlanLine {
+        #[diesel(sql_type = Text, column_name = "QUERY PLAN")]
+        line: String,
+    }
+    let fetch = FetchBatch {
+        table,
+        partitions,
+        count,
+        limit,
+        held_back: &[],
+        skip_locked: false,
+    };
+    let lines: Vec<PlanLine> = Explain(fetch).load(conn).await?;
+    Ok(lines.into_iter().map(|l| l.line).collect())
+}
+
+/// `EXPLAIN` in front of a query.
+#[derive(Debug)]
+struct Explain<Q>(Q);
+
+impl<Q> QueryId for Explain<Q> {
+    type QueryId = ();
+    const HAS_STATIC_QUERY_ID: bool = false;
+}
+
+impl<Q> Query for Explain<Q> {
+    type SqlType = diesel::sql_types::Untyped;
+}
+
+impl<Q: QueryFragment<Pg>> QueryFragment<Pg> for Explain<Q> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql("EXPLAIN ");
+        self.0.walk_ast(out.reborrow())
+    }
+}
+
+impl<Q, Conn> diesel::RunQueryDsl<Conn> for Explain<Q> {}
+
+/// Like [`delete_published`], but moves the rows into `archive` in the same statement (a
+/// table with the outbox's columns, e.g. `CREATE TABLE outbox_archive (LIKE outbox)`);
+/// returns how many it moved.
+pub async fn archive_published(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    archive: &OutboxTable,
+    older_than: std::time::Duration,
+    limit: i64,
+) -> QueryResult<usize> {
+    const COLUMNS: &str = "seq, id, aggregate_type, aggregate_id, event_type, payload, headers, \
+         created_at, published_at, aggregate_hash, attempts, last_error, parked_at";
+    let (t, a) = (table.quoted(), archive.quoted());
+    diesel::sql_query(format!(
+        "WITH moved AS (DELETE FROM {t} WHERE seq IN (SELECT seq FROM {t} \
+         WHERE published_at IS NOT NULL AND published_at < now() - make_interval(secs => $1) \
+         ORDER BY published_at LIMIT $2 FOR UPDATE SKIP LOCKED) RETURNING {COLUMNS}) \
+         INSERT INTO {a} ({COLUMNS}) SELECT {COLUMNS} FROM moved"
     ))
     .bind::<diesel::sql_types::Double, _>(older_than.as_secs_f64())
     .bind::<BigInt, _>(limit)

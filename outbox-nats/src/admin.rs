@@ -27,7 +27,8 @@ pub fn install_recorder() -> Result<PrometheusHandle, metrics_exporter_prometheu
 }
 
 /// Serves `/metrics`, `/healthz` (200 while the process runs) and `/readyz` (200 when the
-/// relay owns work or stands by, with PostgreSQL reachable) on `addr` until `shutdown`.
+/// relay is connected to PostgreSQL and NATS and owns work or stands by; 503 with the reason
+/// otherwise) on `addr` until `shutdown`.
 pub async fn serve(
     addr: SocketAddr,
     handle: PrometheusHandle,
@@ -40,11 +41,9 @@ pub async fn serve(
         .route(
             "/readyz",
             get(move || {
-                let ready = health.ready();
-                std::future::ready(if ready {
-                    (StatusCode::OK, "ready")
-                } else {
-                    (StatusCode::SERVICE_UNAVAILABLE, "not ready")
+                std::future::ready(match health.not_ready_because() {
+                    None => (StatusCode::OK, "ready".to_owned()),
+                    Some(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {why}")),
                 })
             }),
         );

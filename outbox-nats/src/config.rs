@@ -106,6 +106,20 @@ pub struct RelayConfig {
     pub captured_retention: Duration,
     /// How often the log-tailing relay deletes captured rows (default 1 min).
     pub captured_cleanup_interval: Duration,
+    /// Whether the polling relay deletes published rows (default on; `ordered` and
+    /// `unordered` modes). Every relay may clean: concurrent cleaners skip each other's rows.
+    pub cleanup: bool,
+    /// How long published rows stay before cleanup deletes them (default 5 min; zero deletes
+    /// them at the first cleanup after their publish).
+    pub retention: Duration,
+    /// How often cleanup runs (default 10 s).
+    pub cleanup_interval: Duration,
+    /// Rows deleted per statement by cleanup (default 5,000): each batch is one short
+    /// transaction.
+    pub cleanup_batch: usize,
+    /// Move published rows into this table instead of deleting them (default `None`: delete).
+    /// It needs the outbox's columns: `CREATE TABLE outbox_archive (LIKE outbox)`.
+    pub archive_table: Option<OutboxTable>,
 }
 
 impl RelayConfig {
@@ -137,7 +151,54 @@ impl RelayConfig {
             slot_lag_warn_bytes: 1 << 30,
             captured_retention: Duration::from_secs(3600),
             captured_cleanup_interval: Duration::from_secs(60),
+            cleanup: true,
+            retention: Duration::from_secs(300),
+            cleanup_interval: Duration::from_secs(10),
+            cleanup_batch: 5000,
+            archive_table: None,
         }
+    }
+
+    /// Sets [`RelayConfig::retention`].
+    pub fn retention(mut self, d: Duration) -> Self {
+        self.retention = d;
+        self
+    }
+
+    /// Sets [`RelayConfig::cleanup`].
+    pub fn cleanup(mut self, on: bool) -> Self {
+        self.cleanup = on;
+        self
+    }
+
+    /// Sets [`RelayConfig::cleanup_interval`].
+    pub fn cleanup_interval(mut self, d: Duration) -> Self {
+        self.cleanup_interval = d;
+        self
+    }
+
+    /// Sets [`RelayConfig::cleanup_batch`].
+    pub fn cleanup_batch(mut self, n: usize) -> Self {
+        self.cleanup_batch = n;
+        self
+    }
+
+    /// Sets [`RelayConfig::archive_table`].
+    pub fn archive_table(mut self, table: OutboxTable) -> Self {
+        self.archive_table = Some(table);
+        self
+    }
+
+    /// Sets [`RelayConfig::stall_after`].
+    pub fn stall_after(mut self, d: Duration) -> Self {
+        self.stall_after = d;
+        self
+    }
+
+    /// Sets [`RelayConfig::stats_interval`].
+    pub fn stats_interval(mut self, d: Duration) -> Self {
+        self.stats_interval = d;
+        self
     }
 
     /// Sets [`RelayConfig::slot`] (log-tailing mode).
@@ -287,6 +348,12 @@ impl RelayConfig {
         }
         if self.poll_interval.is_zero() {
             return Err("--poll-interval must be above 0".into());
+        }
+        if self.stats_interval.is_zero() {
+            return Err("--stats-interval must be above 0".into());
+        }
+        if self.cleanup && (self.cleanup_interval.is_zero() || self.cleanup_batch == 0) {
+            return Err("--cleanup-interval and --cleanup-batch must be above 0".into());
         }
         if self.workers == 0 || self.workers > 256 {
             return Err(format!(

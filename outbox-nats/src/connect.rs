@@ -77,6 +77,44 @@ pub fn redact_url(url: &str) -> String {
         .join(",")
 }
 
+/// The user and password (or the token) in the first URL of `urls`, percent-decoded:
+/// `nats://user:password@host` or `nats://token@host`.
+fn url_credentials(urls: &str) -> Option<(String, Option<String>)> {
+    let first = urls.split(',').next()?.trim();
+    let rest = &first[first.find("://")? + 3..];
+    let authority = rest.split('/').next()?;
+    let (userinfo, _) = authority.rsplit_once('@')?;
+    let decode = |s: &str| {
+        percent_encoding::percent_decode_str(s)
+            .decode_utf8_lossy()
+            .into_owned()
+    };
+    match userinfo.split_once(':') {
+        Some((user, password)) => Some((decode(user), Some(decode(password)))),
+        None if !userinfo.is_empty() => Some((decode(userinfo), None)),
+        None => None,
+    }
+}
+
+/// `urls` without the user information of any of them.
+fn without_credentials(urls: &str) -> String {
+    urls.split(',')
+        .map(|one| {
+            let one = one.trim();
+            let Some(scheme_end) = one.find("://").map(|i| i + 3) else {
+                return one.to_owned();
+            };
+            let rest = &one[scheme_end..];
+            let authority = &rest[..rest.find('/').unwrap_or(rest.len())];
+            match authority.rfind('@') {
+                Some(at) => format!("{}{}", &one[..scheme_end], &rest[at + 1..]),
+                None => one.to_owned(),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 /// NATS could not be reached or refused the credentials.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -134,6 +172,15 @@ impl NatsOptions {
         if let Some(token) = &self.token {
             opts = opts.token(token.clone());
         }
+        // async-nats parses but does not use credentials in the URL: use them unless others
+        // were given
+        if self.user.is_none() && self.token.is_none() && self.nkey_seed.is_none() {
+            match url_credentials(&self.url) {
+                Some((user, Some(password))) => opts = opts.user_and_password(user, password),
+                Some((token, None)) => opts = opts.token(token),
+                None => {}
+            }
+        }
         if self.tls_required {
             opts = opts.require_tls(true);
         }
@@ -143,8 +190,37 @@ impl NatsOptions {
         if let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) {
             opts = opts.add_client_certificate(cert.clone(), key.clone());
         }
-        opts.connect(self.url.as_str())
+        // the client logs its server URLs (at debug level): give it none with a password
+        opts.connect(without_credentials(&self.url).as_str())
             .await
             .map_err(|source| ConnectError::Connect { url: redact_url(&self.url), source })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{url_credentials, without_credentials};
+
+    #[test]
+    fn strips_credentials_from_the_urls() {
+        assert_eq!(
+            without_credentials("nats://relay:pw@127.0.0.1:4222, tls://tok@nats:4222,nats://n:1"),
+            "nats://127.0.0.1:4222,tls://nats:4222,nats://n:1"
+        );
+        assert_eq!(without_credentials("127.0.0.1:4222"), "127.0.0.1:4222");
+    }
+
+    #[test]
+    fn reads_credentials_from_the_url() {
+        assert_eq!(
+            url_credentials("nats://relay:s%40cret@127.0.0.1:4222,nats://other:4222"),
+            Some(("relay".into(), Some("s@cret".into())))
+        );
+        assert_eq!(
+            url_credentials("tls://tok@nats:4222"),
+            Some(("tok".into(), None))
+        );
+        assert_eq!(url_credentials("nats://127.0.0.1:4222"), None);
+        assert_eq!(url_credentials("127.0.0.1:4222"), None);
     }
 }

@@ -18,6 +18,7 @@
 //! ```
 
 pub mod admin;
+pub mod cleanup;
 mod config;
 pub mod consumer;
 mod connect;

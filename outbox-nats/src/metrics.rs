@@ -25,6 +25,23 @@ pub const PARKED_ROWS: &str = "outbox_parked_rows";
 pub const STALLED: &str = "outbox_stalled";
 /// Gauge: 1 when the oldest unpublished row is older than the stream's duplicate window.
 pub const BEYOND_DUPLICATE_WINDOW: &str = "outbox_backlog_beyond_duplicate_window";
+/// Gauge: unpublished rows whose publishing failed at least once (`attempts > 0`).
+pub const IN_DOUBT_ROWS: &str = "outbox_in_doubt_rows";
+/// Gauge: seconds since the oldest in-doubt row was recorded.
+pub const OLDEST_IN_DOUBT_AGE: &str = "outbox_oldest_in_doubt_age_seconds";
+/// Gauge, by `partition` (ordered mode with `--partitions` above 1): unpublished rows.
+pub const PARTITION_BACKLOG_ROWS: &str = "outbox_partition_backlog_rows";
+/// Gauge, by `partition` (ordered mode with `--partitions` above 1): seconds since the
+/// partition's oldest unpublished row was recorded.
+pub const PARTITION_OLDEST_AGE: &str = "outbox_partition_oldest_unpublished_age_seconds";
+/// Counter: published rows deleted (or archived) by cleanup.
+pub const CLEANUP_DELETED: &str = "outbox_cleanup_rows_deleted_total";
+/// Histogram: seconds a cleanup round took, for rounds that removed rows.
+pub const CLEANUP_DURATION: &str = "outbox_cleanup_duration_seconds";
+/// Gauge: 1 while the NATS connection is up.
+pub const NATS_CONNECTED: &str = "outbox_nats_connected";
+/// Gauge: 1 while the relay is ready (what `/readyz` answers).
+pub const READY: &str = "outbox_ready";
 
 /// Gauge (log-tailing mode): bytes of WAL written since the slot's confirmed position.
 pub const SLOT_LAG_BYTES: &str = "outbox_slot_lag_bytes";
@@ -62,4 +79,12 @@ pub fn describe() {
     describe_gauge!(SLOT_READER, "1 while this relay reads the slot");
     describe_counter!(CAPTURED_DELETED, Unit::Count, "Captured rows deleted by log tailing");
     describe_gauge!(BEYOND_DUPLICATE_WINDOW, "1 when the backlog is older than the duplicate window");
+    describe_gauge!(IN_DOUBT_ROWS, Unit::Count, "Unpublished rows whose publishing failed at least once");
+    describe_gauge!(OLDEST_IN_DOUBT_AGE, Unit::Seconds, "Age of the oldest in-doubt row");
+    describe_gauge!(PARTITION_BACKLOG_ROWS, Unit::Count, "Unpublished rows per partition");
+    describe_gauge!(PARTITION_OLDEST_AGE, Unit::Seconds, "Age of the oldest unpublished row per partition");
+    describe_counter!(CLEANUP_DELETED, Unit::Count, "Published rows deleted or archived by cleanup");
+    describe_histogram!(CLEANUP_DURATION, Unit::Seconds, "Duration of cleanup rounds that removed rows");
+    describe_gauge!(NATS_CONNECTED, "1 while the NATS connection is up");
+    describe_gauge!(READY, "1 while the relay is ready (/readyz)");
 }

@@ -38,6 +38,7 @@ pub(crate) enum BatchEnd {
 /// JetStream stores one connection's pipeline in send order, but a failed publish leaves a
 /// hole that its retry fills after the later messages: so a row is sent only when no earlier
 /// row of its aggregate waits for its ack, and nothing is sent after a failure.
+#[tracing::instrument(name = "outbox.publish", level = "debug", skip_all, fields(batch.len = rows.len()))]
 pub(crate) async fn publish_batch(
     js: &jetstream::Context,
     cfg: &RelayConfig,

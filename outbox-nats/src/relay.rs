@@ -13,6 +13,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, error, info, info_span, warn};
 
+use crate::cleanup::Cleanup;
 use crate::metrics as m;
 use crate::ordered::Ordered;
 use crate::pipeline::BatchEnd;
@@ -70,14 +71,36 @@ pub struct Health {
     pub(crate) database_ok: AtomicBool,
     pub(crate) owned: AtomicUsize,
     pub(crate) standby: AtomicUsize,
+    pub(crate) nats: std::sync::OnceLock<async_nats::Client>,
 }
 
 impl Health {
-    /// Ready: started, PostgreSQL reachable, and owning a partition or standing by for one.
+    /// Ready: started, connected to PostgreSQL and to NATS, and owning a partition (or the
+    /// slot, or running workers) or standing by for one.
     pub fn ready(&self) -> bool {
-        self.started.load(Ordering::Relaxed)
-            && self.database_ok.load(Ordering::Relaxed)
-            && (self.owned.load(Ordering::Relaxed) + self.standby.load(Ordering::Relaxed)) > 0
+        self.not_ready_because().is_none()
+    }
+
+    /// Why the relay is not ready, or `None` when it is.
+    pub fn not_ready_because(&self) -> Option<&'static str> {
+        if !self.started.load(Ordering::Relaxed) {
+            Some("starting: checking the table and the stream")
+        } else if !self.database_ok.load(Ordering::Relaxed) {
+            Some("PostgreSQL is not reachable")
+        } else if !self.nats_connected() {
+            Some("NATS is not connected")
+        } else if self.owned.load(Ordering::Relaxed) + self.standby.load(Ordering::Relaxed) == 0 {
+            Some("neither owning work nor standing by")
+        } else {
+            None
+        }
+    }
+
+    /// Whether the NATS connection is up (`true` for a relay built without a client).
+    pub fn nats_connected(&self) -> bool {
+        self.nats
+            .get()
+            .is_none_or(|c| c.connection_state() == async_nats::connection::State::Connected)
     }
 
     /// Partitions this relay owns now (ordered mode), or workers connected (unordered).
@@ -112,10 +135,12 @@ pub struct Relay {
 impl Relay {
     /// A relay with `config`, publishing through `nats`.
     pub fn new(config: RelayConfig, nats: async_nats::Client) -> Self {
+        let health = Health::default();
+        let _ = health.nats.set(nats.clone());
         Relay {
             config: Arc::new(config),
             nats,
-            health: Arc::default(),
+            health: Arc::new(health),
         }
     }
 
@@ -190,6 +215,14 @@ impl Relay {
                         .instrument(info_span!("outbox.tailing", outbox.slot = %cfg.slot_name())),
                 );
             }
+        }
+        // log tailing never marks rows (it deletes captured rows itself)
+        if cfg.mode != Mode::LogTailing && cfg.cleanup {
+            let cleanup = Cleanup {
+                cfg: cfg.clone(),
+                shutdown: shutdown.clone(),
+            };
+            tasks.spawn(cleanup.run().instrument(info_span!("outbox.cleanup")));
         }
         // log tailing never marks rows: its lag is the slot's, which it reports itself
         if cfg.mode != Mode::LogTailing {
@@ -397,8 +430,9 @@ fn quote_ident(s: &str) -> String {
     format!("\"{}\"", s.replace('"', "\"\""))
 }
 
-/// Refreshes the backlog gauges and warns on a stall or a backlog older than the stream's
-/// duplicate window.
+/// Refreshes the backlog gauges (per partition too when partitioned), the connection and
+/// readiness gauges, and warns on a stall or a backlog older than the stream's duplicate
+/// window.
 async fn stats(
     cfg: Arc<RelayConfig>,
     health: Arc<Health>,
@@ -408,13 +442,24 @@ async fn stats(
     let mut conn: Option<AsyncPgConnection> = None;
     let mut tick = tokio::time::interval(cfg.stats_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let partitioned = cfg.mode == Mode::Ordered && cfg.partitions > 1;
+    let window = duplicate_window.as_secs_f64();
     loop {
         tokio::select! {
             _ = tick.tick() => {}
             _ = shutdown.cancelled() => return,
         }
+        metrics::gauge!(m::NATS_CONNECTED).set(if health.nats_connected() { 1.0 } else { 0.0 });
+        metrics::gauge!(m::READY).set(if health.ready() { 1.0 } else { 0.0 });
         if conn.is_none() {
-            conn = AsyncPgConnection::establish(&cfg.database_url).await.ok();
+            conn = match AsyncPgConnection::establish(&cfg.database_url).await {
+                Ok(mut c) => c
+                    .batch_execute("SET application_name = 'outbox-relay-stats'")
+                    .await
+                    .ok()
+                    .map(|()| c),
+                Err(_) => None,
+            };
         }
         let Some(c) = conn.as_mut() else { continue };
         match db::backlog(c, &cfg.table).await {
@@ -422,6 +467,8 @@ async fn stats(
                 metrics::gauge!(m::BACKLOG_ROWS).set(b.unpublished as f64);
                 metrics::gauge!(m::OLDEST_AGE).set(b.oldest_age_seconds);
                 metrics::gauge!(m::PARKED_ROWS).set(b.parked as f64);
+                metrics::gauge!(m::IN_DOUBT_ROWS).set(b.in_doubt as f64);
+                metrics::gauge!(m::OLDEST_IN_DOUBT_AGE).set(b.oldest_in_doubt_age_seconds);
                 let stalled = b.oldest_age_seconds > cfg.stall_after.as_secs_f64();
                 metrics::gauge!(m::STALLED).set(if stalled { 1.0 } else { 0.0 });
                 if stalled && health.owned_partitions() > 0 {
@@ -431,15 +478,42 @@ async fn stats(
                         "outbox backlog is stalled: its oldest row waits longer than --stall-after"
                     );
                 }
-                let beyond = b.oldest_age_seconds > duplicate_window.as_secs_f64();
+                // an in-doubt row may already be in the stream: once older than the window, its
+                // re-publish is a duplicate that only consumers can drop
+                let beyond =
+                    b.oldest_age_seconds > window || b.oldest_in_doubt_age_seconds > window;
                 metrics::gauge!(m::BEYOND_DUPLICATE_WINDOW).set(if beyond { 1.0 } else { 0.0 });
                 if beyond {
-                    warn!(oldest_age_seconds = b.oldest_age_seconds, duplicate_window = ?duplicate_window, "the oldest unpublished row is older than the stream's duplicate window: a re-publish of it would not be deduplicated by JetStream, only by consumers");
+                    warn!(
+                        oldest_age_seconds = b.oldest_age_seconds,
+                        in_doubt = b.in_doubt,
+                        oldest_in_doubt_age_seconds = b.oldest_in_doubt_age_seconds,
+                        duplicate_window = ?duplicate_window,
+                        "unpublished or in-doubt rows are older than the stream's duplicate window: a re-publish of them would not be deduplicated by JetStream, only by consumers"
+                    );
                 }
             }
             Err(e) => {
                 debug!(error = %e, "backlog query failed");
                 conn = None;
+                continue;
+            }
+        }
+        if partitioned {
+            match db::partition_backlog(c, &cfg.table, cfg.partitions).await {
+                Ok(parts) => {
+                    for p in parts {
+                        let label = p.partition.to_string();
+                        metrics::gauge!(m::PARTITION_BACKLOG_ROWS, "partition" => label.clone())
+                            .set(p.unpublished as f64);
+                        metrics::gauge!(m::PARTITION_OLDEST_AGE, "partition" => label)
+                            .set(p.oldest_age_seconds);
+                    }
+                }
+                Err(e) => {
+                    debug!(error = %e, "partition backlog query failed");
+                    conn = None;
+                }
             }
         }
     }

@@ -27,7 +27,7 @@ use std::time::Instant;
 
 use async_nats::jetstream;
 use chrono::{DateTime, Utc};
-use diesel_async::{AsyncConnection, AsyncPgConnection};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use outbox_diesel::relay::OutboxRow;
 use outbox_diesel::wal::{self, Lsn, WalBatch, WalError, WalReader};
 use tokio_util::sync::CancellationToken;
@@ -98,7 +98,9 @@ impl Tailing {
     }
 
     fn set_reader(&self, reader: bool) {
-        self.health.owned.store(usize::from(reader), Ordering::Relaxed);
+        self.health
+            .owned
+            .store(usize::from(reader), Ordering::Relaxed);
         self.health
             .standby
             .store(usize::from(!reader), Ordering::Relaxed);
@@ -181,7 +183,15 @@ impl Tailing {
                 next_cleanup = Instant::now() + cfg.captured_cleanup_interval;
             }
             let started = Instant::now();
-            let batch = reader.read(conn, cfg.batch_size).await?;
+            let batch = match reader.read(conn, cfg.batch_size).await {
+                Ok(b) => b,
+                Err(WalError::SlotBusy { .. }) => {
+                    // `outbox-relay status` reads the slot for an instant
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
             lease.confirm(started);
             let (rows, txn_of) = pending_rows(&batch, &state.parked);
             let (acked, end) = if rows.is_empty() {
@@ -192,9 +202,7 @@ impl Tailing {
                     batch.len = rows.len(),
                     batch.transactions = batch.transactions.len()
                 );
-                publish_batch(&self.js, cfg, &rows, lease, &self.shutdown)
-                    .instrument(span)
-                    .await
+                self.publish(conn, &rows, lease).instrument(span).await?
             };
             let (confirm_to, max_seq, first_open) = confirmable(&batch, &rows, &txn_of, &acked);
             state.oldest_unconfirmed =
@@ -203,7 +211,12 @@ impl Tailing {
                 && to > state.confirmed
             {
                 let started = Instant::now();
-                state.confirmed = reader.advance(conn, to).await?;
+                state.confirmed = match reader.advance(conn, to).await {
+                    Ok(lsn) => lsn,
+                    // confirmed on the next round; until then a restart repeats a little more
+                    Err(WalError::SlotBusy { .. }) => state.confirmed,
+                    Err(e) => return Err(e),
+                };
                 lease.confirm(started);
                 state.max_confirmed_seq = state.max_confirmed_seq.max(max_seq);
                 let confirmed = state.confirmed;
@@ -219,7 +232,13 @@ impl Tailing {
                 BatchEnd::Done => {
                     backoff.reset();
                     if batch.transactions.is_empty() && batch.messages < cfg.batch_size {
-                        idle(conn, cfg, &self.shutdown, Instant::now() + cfg.poll_interval).await;
+                        idle(
+                            conn,
+                            cfg,
+                            &self.shutdown,
+                            Instant::now() + cfg.poll_interval,
+                        )
+                        .await;
                     }
                 }
                 BatchEnd::LeaseUnconfirmed => {}
@@ -234,7 +253,9 @@ impl Tailing {
                     park_now,
                     ..
                 } => {
-                    let Some(i) = rows.iter().position(|r| r.seq == seq && !acked.contains(&seq))
+                    let Some(i) = rows
+                        .iter()
+                        .position(|r| r.seq == seq && !acked.contains(&seq))
                     else {
                         continue;
                     };
@@ -259,6 +280,32 @@ impl Tailing {
             }
         }
         Ok(())
+    }
+
+    /// Publishes `rows` in chunks, renewing the lease between them: a transaction of many
+    /// events (read whole, published whole before the slot may move) can take longer than
+    /// half the lease to decode and publish, and the lease must not lapse on a live session.
+    async fn publish(
+        &self,
+        conn: &mut AsyncPgConnection,
+        rows: &[OutboxRow],
+        lease: &mut Lease,
+    ) -> Result<(Vec<i64>, BatchEnd), WalError> {
+        let chunk = (self.cfg.max_in_flight * 4).max(256);
+        let mut acked = Vec::with_capacity(rows.len());
+        for part in rows.chunks(chunk) {
+            if !lease.is_valid() {
+                let started = Instant::now();
+                diesel::sql_query("SELECT 1").execute(conn).await?;
+                lease.confirm(started);
+            }
+            let (done, end) = publish_batch(&self.js, &self.cfg, part, lease, &self.shutdown).await;
+            acked.extend(done);
+            if !matches!(end, BatchEnd::Done) || self.shutdown.is_cancelled() {
+                return Ok((acked, end));
+            }
+        }
+        Ok((acked, BatchEnd::Done))
     }
 
     /// Refreshes the slot's lag figures and warns when it lags.
@@ -288,7 +335,13 @@ impl Tailing {
             0.0
         });
         if lagging {
-            warn!(slot, lag_bytes = lag.lag_bytes, lag_seconds, retained_bytes = lag.retained_bytes, "the replication slot lags: PostgreSQL keeps its WAL until the relay confirms it (see max_slot_wal_keep_size)");
+            warn!(
+                slot,
+                lag_bytes = lag.lag_bytes,
+                lag_seconds,
+                retained_bytes = lag.retained_bytes,
+                "the replication slot lags: PostgreSQL keeps its WAL until the relay confirms it (see max_slot_wal_keep_size)"
+            );
         }
         if matches!(lag.wal_status.as_deref(), Some("unreserved" | "lost")) {
             error!(slot, wal_status = ?lag.wal_status, "the replication slot is about to lose (or lost) WAL it needs: max_slot_wal_keep_size is reached");
@@ -409,11 +462,20 @@ mod tests {
         let (rows, txn_of) = pending_rows(&b, &HashSet::new());
         assert_eq!(rows.iter().map(|r| r.seq).collect::<Vec<_>>(), [5, 6, 3, 7]);
         // all acked: past the whole read
-        assert_eq!(confirmable(&b, &rows, &txn_of, &[5, 6, 3, 7]), (Some(Lsn(400)), 7, None));
+        assert_eq!(
+            confirmable(&b, &rows, &txn_of, &[5, 6, 3, 7]),
+            (Some(Lsn(400)), 7, None)
+        );
         // 6 failed while 3 and 7 were acked: nothing past the first transaction's start
-        assert_eq!(confirmable(&b, &rows, &txn_of, &[5, 3, 7]), (None, 0, Some(0)));
+        assert_eq!(
+            confirmable(&b, &rows, &txn_of, &[5, 3, 7]),
+            (None, 0, Some(0))
+        );
         // the last transaction is not acked yet
-        assert_eq!(confirmable(&b, &rows, &txn_of, &[5, 6, 3]), (Some(Lsn(200)), 6, Some(2)));
+        assert_eq!(
+            confirmable(&b, &rows, &txn_of, &[5, 6, 3]),
+            (Some(Lsn(200)), 6, Some(2))
+        );
         assert_eq!(confirmable(&b, &rows, &txn_of, &[]), (None, 0, Some(0)));
     }
 
@@ -423,7 +485,10 @@ mod tests {
         let parked: HashSet<_> = [(b.transactions[0].rows[1].id, Lsn(100))].into();
         let (rows, txn_of) = pending_rows(&b, &parked);
         assert_eq!(rows.iter().map(|r| r.seq).collect::<Vec<_>>(), [5, 3, 7]);
-        assert_eq!(confirmable(&b, &rows, &txn_of, &[5, 3, 7]).0, Some(Lsn(400)));
+        assert_eq!(
+            confirmable(&b, &rows, &txn_of, &[5, 3, 7]).0,
+            Some(Lsn(400))
+        );
         let elsewhere: HashSet<_> = [(b.transactions[0].rows[1].id, Lsn(200))].into();
         assert_eq!(pending_rows(&b, &elsewhere).0.len(), 4);
     }

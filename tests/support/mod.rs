@@ -12,6 +12,7 @@ use async_nats::jetstream;
 use diesel::prelude::*;
 use futures_util::StreamExt;
 
+pub mod checker;
 pub mod servers;
 
 /// The PostgreSQL server the tests use: `OUTBOX_TEST_PG` or the machine's on 127.0.0.1:5432.
@@ -50,7 +51,11 @@ impl TestDb {
             .execute(&mut admin)
             .expect("create the test database");
         let url = format!("{base}/{name}");
-        let db = TestDb { name, url, admin_url };
+        let db = TestDb {
+            name,
+            url,
+            admin_url,
+        };
         let mut conn = db.conn();
         outbox_diesel::run_migrations(&mut conn).expect("migrate the outbox");
         db
@@ -62,7 +67,9 @@ impl TestDb {
 
     pub async fn async_conn(&self) -> diesel_async::AsyncPgConnection {
         use diesel_async::AsyncConnection;
-        diesel_async::AsyncPgConnection::establish(&self.url).await.expect("connect (async)")
+        diesel_async::AsyncPgConnection::establish(&self.url)
+            .await
+            .expect("connect (async)")
     }
 
     /// Runs `sql` and returns the first column of the first row as i64.
@@ -82,8 +89,11 @@ impl TestDb {
 impl Drop for TestDb {
     fn drop(&mut self) {
         if let Ok(mut admin) = PgConnection::establish(&self.admin_url) {
-            let _ = diesel::sql_query(format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name))
-                .execute(&mut admin);
+            let _ = diesel::sql_query(format!(
+                "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+                self.name
+            ))
+            .execute(&mut admin);
         }
     }
 }
@@ -102,11 +112,17 @@ impl TestStream {
 
     pub fn on(url: &str) -> Self {
         let id = uuid::Uuid::now_v7().simple().to_string();
-        TestStream { name: format!("T_{id}"), prefix: format!("t{id}"), nats_url: url.to_owned() }
+        TestStream {
+            name: format!("T_{id}"),
+            prefix: format!("t{id}"),
+            nats_url: url.to_owned(),
+        }
     }
 
     pub async fn js(&self) -> jetstream::Context {
-        let client = async_nats::connect(&self.nats_url).await.expect("connect to NATS");
+        let client = async_nats::connect(&self.nats_url)
+            .await
+            .expect("connect to NATS");
         jetstream::new(client)
     }
 
@@ -130,7 +146,9 @@ impl Drop for TestStream {
         let (url, name) = (self.nats_url.clone(), self.name.clone());
         // Drop may run inside a runtime: delete from a thread of its own
         let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build();
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build();
             if let Ok(rt) = rt {
                 rt.block_on(async {
                     let delete = async {
@@ -160,7 +178,9 @@ pub struct Received {
 }
 
 pub async fn read_stream(js: &jetstream::Context, stream: &str) -> Vec<Received> {
-    let Ok(mut s) = js.get_stream(stream).await else { return Vec::new() };
+    let Ok(mut s) = js.get_stream(stream).await else {
+        return Vec::new();
+    };
     let total = s.info().await.expect("stream info").state.messages;
     if total == 0 {
         return Vec::new();
@@ -202,7 +222,10 @@ where
 {
     let start = Instant::now();
     while !f().await {
-        assert!(start.elapsed() < timeout, "timed out after {timeout:?} waiting for {what}");
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -211,20 +234,31 @@ where
 pub fn target_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");
     // target/debug/deps/<test> -> target/debug
-    exe.parent().and_then(|p| p.parent()).expect("target dir").to_path_buf()
+    exe.parent()
+        .and_then(|p| p.parent())
+        .expect("target dir")
+        .to_path_buf()
 }
 
 /// The `outbox-relay` binary; `cargo test --workspace` builds it.
 pub fn relay_bin() -> PathBuf {
     let p = target_dir().join("outbox-relay");
-    assert!(p.exists(), "{} is missing: build it first with `cargo build --workspace --bins --examples`", p.display());
+    assert!(
+        p.exists(),
+        "{} is missing: build it first with `cargo build --workspace --bins --examples`",
+        p.display()
+    );
     p
 }
 
 /// An example binary (`target/debug/examples/NAME`).
 pub fn example_bin(name: &str) -> PathBuf {
     let p = target_dir().join("examples").join(name);
-    assert!(p.exists(), "{} is missing: build it first with `cargo build --workspace --bins --examples`", p.display());
+    assert!(
+        p.exists(),
+        "{} is missing: build it first with `cargo build --workspace --bins --examples`",
+        p.display()
+    );
     p
 }
 
@@ -240,7 +274,10 @@ impl Proc {
             .stdin(Stdio::null())
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
-        Proc { child, name: name.to_owned() }
+        Proc {
+            child,
+            name: name.to_owned(),
+        }
     }
 
     pub fn pid(&self) -> i32 {
@@ -248,7 +285,10 @@ impl Proc {
     }
 
     pub fn signal(&self, sig: &str) {
-        let _ = Command::new("kill").arg(format!("-{sig}")).arg(self.pid().to_string()).status();
+        let _ = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(self.pid().to_string())
+            .status();
     }
 
     pub fn kill(&mut self) {
@@ -285,7 +325,10 @@ pub fn relay_command(db: &TestDb, stream: &TestStream, args: &[&str]) -> Command
     cmd.arg("run")
         .env_clear()
         .env("PATH", std::env::var("PATH").unwrap_or_default())
-        .env("RUST_LOG", std::env::var("OUTBOX_TEST_LOG").unwrap_or_else(|_| "warn".into()))
+        .env(
+            "RUST_LOG",
+            std::env::var("OUTBOX_TEST_LOG").unwrap_or_else(|_| "warn".into()),
+        )
         .env("DATABASE_URL", &db.url)
         .env("NATS_URL", &stream.nats_url)
         .args(["--stream", &stream.name, "--subject-prefix", &stream.prefix])

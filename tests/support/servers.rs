@@ -10,7 +10,9 @@ use super::{Proc, free_port};
 
 /// The `nats-server` binary: `OUTBOX_NATS_SERVER` or the one on PATH.
 pub fn nats_server_bin() -> PathBuf {
-    std::env::var_os("OUTBOX_NATS_SERVER").map(PathBuf::from).unwrap_or_else(|| "nats-server".into())
+    std::env::var_os("OUTBOX_NATS_SERVER")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| "nats-server".into())
 }
 
 /// A private `nats-server -js` on 127.0.0.1; killed on `Drop`, its store removed.
@@ -22,9 +24,14 @@ pub struct NatsServer {
 
 impl NatsServer {
     pub fn start() -> Self {
-        let dir = std::env::temp_dir().join(format!("outbox-nats-{}", uuid::Uuid::now_v7().simple()));
+        let dir =
+            std::env::temp_dir().join(format!("outbox-nats-{}", uuid::Uuid::now_v7().simple()));
         std::fs::create_dir_all(&dir).expect("nats temp dir");
-        let mut s = NatsServer { port: free_port(), dir, proc: None };
+        let mut s = NatsServer {
+            port: free_port(),
+            dir,
+            proc: None,
+        };
         s.restart();
         s
     }
@@ -39,7 +46,14 @@ impl NatsServer {
         let proc = Proc::spawn(
             "nats-server",
             Command::new(nats_server_bin())
-                .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-js", "-sd"])
+                .args([
+                    "-a",
+                    "127.0.0.1",
+                    "-p",
+                    &self.port.to_string(),
+                    "-js",
+                    "-sd",
+                ])
                 .arg(&self.dir)
                 .stdout(Stdio::null())
                 .stderr(Stdio::null()),
@@ -47,7 +61,10 @@ impl NatsServer {
         self.proc = Some(proc);
         let start = Instant::now();
         while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-            assert!(start.elapsed() < Duration::from_secs(10), "nats-server did not start");
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "nats-server did not start"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -76,13 +93,20 @@ pub struct PgCluster {
 }
 
 fn pg_bindir() -> PathBuf {
-    let out = Command::new("pg_config").arg("--bindir").output().expect("pg_config");
+    let out = Command::new("pg_config")
+        .arg("--bindir")
+        .output()
+        .expect("pg_config");
     PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
 }
 
 fn as_postgres(bin: &str) -> Command {
     let path = pg_bindir().join(bin);
-    let is_root = Command::new("id").arg("-u").output().map(|o| o.stdout.starts_with(b"0")).unwrap_or(false);
+    let is_root = Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| o.stdout.starts_with(b"0"))
+        .unwrap_or(false);
     if is_root {
         let mut c = Command::new("runuser");
         c.args(["-u", "postgres", "--"]).arg(path);
@@ -96,7 +120,10 @@ impl PgCluster {
     pub fn start() -> Self {
         let dir = std::env::temp_dir().join(format!("outbox-pg-{}", uuid::Uuid::now_v7().simple()));
         std::fs::create_dir_all(&dir).expect("pg temp dir");
-        let _ = Command::new("chown").args(["postgres:postgres"]).arg(&dir).status();
+        let _ = Command::new("chown")
+            .args(["postgres:postgres"])
+            .arg(&dir)
+            .status();
         let ok = as_postgres("initdb")
             .args(["-A", "trust", "-U", "postgres", "--no-sync", "-D"])
             .arg(dir.join("data"))
@@ -104,7 +131,11 @@ impl PgCluster {
             .status()
             .expect("initdb");
         assert!(ok.success(), "initdb failed");
-        let mut c = PgCluster { port: free_port(), dir, running: false };
+        let mut c = PgCluster {
+            port: free_port(),
+            dir,
+            running: false,
+        };
         c.restart();
         c
     }
@@ -129,7 +160,11 @@ impl PgCluster {
             .stdout(Stdio::null())
             .status()
             .expect("pg_ctl start");
-        assert!(ok.success(), "pg_ctl start failed; see {}", self.dir.join("log").display());
+        assert!(
+            ok.success(),
+            "pg_ctl start failed; see {}",
+            self.dir.join("log").display()
+        );
         self.running = true;
     }
 

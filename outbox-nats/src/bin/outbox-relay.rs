@@ -1,7 +1,8 @@
 //! `outbox-relay`: publishes the committed rows of a Diesel outbox table to NATS JetStream.
 //!
 //! `outbox-relay run` relays until SIGTERM/SIGINT (a second signal aborts);
-//! `outbox-relay status` prints the backlog from the database alone.
+//! `outbox-relay status` prints the backlog from the database alone;
+//! `outbox-relay cleanup` deletes published rows once.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -36,6 +37,45 @@ enum Command {
     Parked(ParkedArgs),
     /// Release parked rows so the relay publishes them again.
     Retry(RetryArgs),
+    /// Delete published rows older than --retention once, in batches, and print how many
+    /// (the relay does the same on a schedule).
+    Cleanup(CleanupCmdArgs),
+}
+
+#[derive(Debug, Args)]
+struct CleanupCmdArgs {
+    #[command(flatten)]
+    db: DbArgs,
+    /// Delete rows published longer ago than this (`0` = every published row).
+    #[arg(long, env = "OUTBOX_RETENTION", default_value = "5m", value_parser = humantime::parse_duration)]
+    retention: Duration,
+    /// Rows deleted per statement.
+    #[arg(long, env = "OUTBOX_CLEANUP_BATCH", default_value_t = 5000)]
+    batch: usize,
+    /// Move the rows into this table instead of deleting them.
+    #[arg(long, env = "OUTBOX_ARCHIVE_TABLE")]
+    archive_table: Option<OutboxTable>,
+}
+
+/// The run flags of cleanup (ordered and unordered modes).
+#[derive(Debug, Args)]
+struct CleanupArgs {
+    /// Keep published rows this long before deleting them (`0` = at the first cleanup after
+    /// their publish).
+    #[arg(long, env = "OUTBOX_RETENTION", default_value = "5m", value_parser = humantime::parse_duration)]
+    retention: Duration,
+    /// How often published rows are deleted.
+    #[arg(long, env = "OUTBOX_CLEANUP_INTERVAL", default_value = "10s", value_parser = humantime::parse_duration)]
+    cleanup_interval: Duration,
+    /// Rows deleted per statement (one short transaction each).
+    #[arg(long, env = "OUTBOX_CLEANUP_BATCH", default_value_t = 5000)]
+    cleanup_batch: usize,
+    /// Do not delete published rows (another relay or a cron job does).
+    #[arg(long, env = "OUTBOX_NO_CLEANUP")]
+    no_cleanup: bool,
+    /// Move published rows into this table instead of deleting them.
+    #[arg(long, env = "OUTBOX_ARCHIVE_TABLE")]
+    archive_table: Option<OutboxTable>,
 }
 
 #[derive(Debug, Args)]
@@ -135,9 +175,13 @@ struct RunArgs {
     /// How long to retry the first connections before exiting.
     #[arg(long, env = "OUTBOX_STARTUP_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
     startup_timeout: Duration,
-    /// Warn when the oldest unpublished row is older than this.
+    /// Warn (and set the `outbox_stalled` gauge) when the oldest unpublished row is older
+    /// than this.
     #[arg(long, env = "OUTBOX_STALL_AFTER", default_value = "30s", value_parser = humantime::parse_duration)]
     stall_after: Duration,
+    /// How often the backlog gauges are refreshed from the database.
+    #[arg(long, env = "OUTBOX_STATS_INTERVAL", default_value = "5s", value_parser = humantime::parse_duration)]
+    stats_interval: Duration,
     /// Serve /metrics, /healthz and /readyz on this address (e.g. 127.0.0.1:9187).
     #[arg(long, env = "OUTBOX_METRICS_ADDR")]
     metrics_addr: Option<SocketAddr>,
@@ -173,6 +217,8 @@ struct RunArgs {
     log_format: LogFormat,
     #[command(flatten)]
     log_tailing: LogTailingArgs,
+    #[command(flatten)]
+    cleanup: CleanupArgs,
 }
 
 /// The log-tailing mode's flags.
@@ -236,6 +282,9 @@ struct StatusArgs {
     /// Warn when the slot's unconfirmed WAL exceeds this many bytes.
     #[arg(long, env = "OUTBOX_SLOT_LAG_WARN_BYTES", default_value_t = 1 << 30)]
     slot_lag_warn_bytes: u64,
+    /// The partition count to break the backlog down by (default: the running relays').
+    #[arg(long)]
+    partitions: Option<u32>,
 }
 
 fn main() -> ExitCode {
@@ -255,6 +304,7 @@ fn main() -> ExitCode {
         Command::Status(args) => runtime.block_on(status(args)),
         Command::Parked(args) => runtime.block_on(parked(args)),
         Command::Retry(args) => runtime.block_on(retry(args)),
+        Command::Cleanup(args) => runtime.block_on(cleanup(args)),
     }
 }
 
@@ -298,6 +348,12 @@ async fn run(args: RunArgs) -> ExitCode {
     config.max_in_flight = args.max_in_flight;
     config.max_attempts = args.max_attempts;
     config.stall_after = args.stall_after;
+    config.stats_interval = args.stats_interval;
+    config.cleanup = !args.cleanup.no_cleanup;
+    config.retention = args.cleanup.retention;
+    config.cleanup_interval = args.cleanup.cleanup_interval;
+    config.cleanup_batch = args.cleanup.cleanup_batch;
+    config.archive_table = args.cleanup.archive_table.clone();
     if let Err(e) = config.validate() {
         error!("invalid configuration: {e}");
         return ExitCode::from(2);
@@ -415,6 +471,27 @@ struct Status {
     owners: Vec<db::PartitionOwner>,
     #[serde(skip_serializing_if = "Option::is_none")]
     slot: Option<SlotStatus>,
+    /// The partition count of the breakdown: `--partitions`, or the running relays'.
+    partition_count: Option<u32>,
+    partitions: Vec<PartitionStatus>,
+    relays: Vec<db::Member>,
+    table_stats: Option<db::TableStats>,
+    oldest_transaction: Option<db::OldestTransaction>,
+}
+
+/// One partition's backlog and owner in `status`.
+#[derive(serde::Serialize)]
+struct PartitionStatus {
+    #[serde(flatten)]
+    backlog: db::PartitionBacklog,
+    owner_pid: Option<i32>,
+    owner_application_name: Option<String>,
+}
+
+/// The partition count in force: the oldest running relay's (a relay with another count
+/// waits until the older ones are gone).
+fn partition_count(relays: &[db::Member]) -> Option<u32> {
+    relays.first().map(|m| m.partitions.max(1) as u32)
 }
 
 /// A replication slot's figures in `status`.
@@ -558,6 +635,28 @@ async fn status(args: StatusArgs) -> ExitCode {
     let owners = db::partition_owners(&mut conn, table)
         .await
         .unwrap_or_default();
+    let relays = db::members(&mut conn, table).await.unwrap_or_default();
+    let partition_count = args.partitions.or_else(|| partition_count(&relays));
+    let mut partitions = Vec::new();
+    if let Some(n) = partition_count {
+        let parts = match db::partition_backlog(&mut conn, table, n).await {
+            Ok(p) => p,
+            Err(e) => return fail(format!("cannot read {table}: {e}")),
+        };
+        partitions = parts
+            .into_iter()
+            .map(|backlog| {
+                let owner = owners.iter().find(|o| o.partition == backlog.partition);
+                PartitionStatus {
+                    owner_pid: owner.map(|o| o.pid),
+                    owner_application_name: owner.and_then(|o| o.application_name.clone()),
+                    backlog,
+                }
+            })
+            .collect();
+    }
+    let table_stats = db::table_stats(&mut conn, table).await.ok().flatten();
+    let oldest_transaction = db::oldest_transaction(&mut conn).await.ok().flatten();
     let slot = slot_status(&mut conn, &args).await;
     let slot_stalled = slot
         .as_ref()
@@ -574,6 +673,11 @@ async fn status(args: StatusArgs) -> ExitCode {
         stall_after_seconds: args.stall_after.as_secs_f64(),
         owners,
         slot,
+        partition_count,
+        partitions,
+        relays,
+        table_stats,
+        oldest_transaction,
     };
     if args.json {
         match serde_json::to_string_pretty(&status) {
@@ -585,6 +689,10 @@ async fn status(args: StatusArgs) -> ExitCode {
         println!("unpublished      {}", status.backlog.unpublished);
         println!("oldest age       {:.3}s", status.backlog.oldest_age_seconds);
         println!("parked           {}", status.backlog.parked);
+        println!(
+            "in doubt         {} (oldest {:.3}s)",
+            status.backlog.in_doubt, status.backlog.oldest_in_doubt_age_seconds
+        );
         println!(
             "stalled          {} (after {:?})",
             status.stalled, args.stall_after
@@ -601,6 +709,7 @@ async fn status(args: StatusArgs) -> ExitCode {
                 o.client_addr.as_deref().unwrap_or("local")
             );
         }
+        print_operations(&status);
         if let Some(s) = &status.slot {
             let l = &s.lag;
             println!("slot             {}", l.slot);
@@ -635,5 +744,98 @@ async fn status(args: StatusArgs) -> ExitCode {
         ExitCode::from(1)
     } else {
         ExitCode::SUCCESS
+    }
+}
+
+/// The text form of `status`'s relays, partitions, vacuum and snapshot figures.
+fn print_operations(status: &Status) {
+    println!("relays           {}", status.relays.len());
+    for r in &status.relays {
+        println!(
+            "  relay          pid {}  partitions {}  since {}",
+            r.pid,
+            r.partitions,
+            r.backend_start.to_rfc3339()
+        );
+    }
+    if let Some(n) = status.partition_count {
+        println!("partitions       {n}");
+        for p in &status.partitions {
+            println!(
+                "  partition {:<4} unpublished {:<8} oldest {:>9.3}s  parked {:<4} owner {}",
+                p.backlog.partition,
+                p.backlog.unpublished,
+                p.backlog.oldest_age_seconds,
+                p.backlog.parked,
+                p.owner_pid
+                    .map_or_else(|| "none".to_owned(), |pid| format!("pid {pid}"))
+            );
+        }
+    }
+    match &status.table_stats {
+        Some(t) => {
+            println!(
+                "table rows       {} live, {} dead (not vacuumed yet), {} bytes",
+                t.live_rows, t.dead_rows, t.total_bytes
+            );
+            println!(
+                "last autovacuum  {} ({} so far)",
+                t.last_autovacuum
+                    .map_or_else(|| "never".to_owned(), |t| t.to_rfc3339()),
+                t.autovacuum_count
+            );
+        }
+        None => println!("table rows       no statistics yet"),
+    }
+    match &status.oldest_transaction {
+        Some(x) => println!(
+            "oldest snapshot  {:.3}s, {} transactions behind: pid {} {} ({}){}",
+            x.age_seconds,
+            x.xmin_age,
+            x.pid,
+            x.application_name.as_deref().unwrap_or("-"),
+            x.state.as_deref().unwrap_or("-"),
+            if x.state.as_deref() == Some("idle in transaction") {
+                "; it keeps every dead row alive: end it"
+            } else {
+                ""
+            }
+        ),
+        None => println!("oldest snapshot  none open"),
+    }
+}
+
+async fn cleanup(args: CleanupCmdArgs) -> ExitCode {
+    let mut conn = match open("cleanup", &args.db).await {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    let never = CancellationToken::new();
+    match outbox_nats::cleanup::sweep(
+        &mut conn,
+        &args.db.table,
+        args.archive_table.as_ref(),
+        args.retention,
+        args.batch,
+        &never,
+    )
+    .await
+    {
+        Ok(n) => {
+            let verb = if args.archive_table.is_some() {
+                "archived"
+            } else {
+                "deleted"
+            };
+            println!(
+                "{verb} {n} published row(s) older than {}",
+                humantime::format_duration(args.retention)
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(
+            "cleanup",
+            format!("cannot delete from {}: {e}", args.db.table),
+        ),
     }
 }

@@ -1,0 +1,968 @@
+//! Log tailing's database side (feature `async`): the publication and the logical replication
+//! slot, reading the committed inserts of the outbox table from the WAL in commit order,
+//! confirming a position, the slot's lag, parking and deleting captured rows.
+//!
+//! It uses logical decoding's SQL interface: `pg_logical_slot_peek_binary_changes` with the
+//! built-in `pgoutput` plugin reads whole committed transactions in commit order from the
+//! slot's confirmed position without consuming them, and `pg_replication_slot_advance`
+//! confirms a position once JetStream acked everything before it. Both are plain SQL on the
+//! relay's Diesel connection, so a crash between the two can only make the next reader read
+//! (and publish) the same transactions again, never skip one.
+//!
+//! ```no_run
+//! use diesel_async::{AsyncConnection, AsyncPgConnection};
+//! use outbox_diesel::OutboxTable;
+//! use outbox_diesel::wal::WalReader;
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! let mut conn = AsyncPgConnection::establish("postgres://relay@db/app").await?;
+//! let mut reader = WalReader::new(OutboxTable::DEFAULT, "outbox_slot", "outbox_pub");
+//! reader.setup(&mut conn).await?; // publication + slot, created when missing
+//! let batch = reader.read(&mut conn, 500).await?;
+//! for tx in &batch.transactions {
+//!     for row in &tx.rows {
+//!         println!("{} {} {}", tx.end_lsn, row.aggregate_id, row.event_type);
+//!     }
+//! }
+//! // ... publish, then confirm what JetStream acked:
+//! if let Some(tx) = batch.transactions.last() {
+//!     reader.advance(&mut conn, tx.end_lsn).await?;
+//! }
+//! # Ok(()) }
+//! ```
+
+pub mod pgoutput;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use diesel::QueryableByName;
+use diesel::result::Error as DieselError;
+use diesel::sql_types::{Array, BigInt, Bool, Double, Integer, Nullable, Text};
+use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+
+use crate::OutboxTable;
+use crate::relay::OutboxRow;
+use crate::table::{quote_ident, quote_literal};
+use pgoutput::{Message, Relation, Tuple, Value};
+
+/// The first key of the session advisory lock that makes a relay the reader of a slot:
+/// `pg_try_advisory_lock(SLOT_LOCK_KEY, hashtext(slot))`. It is `'OBLT'` in ASCII; the ordered
+/// mode's partition locks use the outbox table's OID there instead, and OIDs of user tables
+/// start at 16384 and stay far below it, so the two never meet.
+pub const SLOT_LOCK_KEY: i32 = 0x4F42_4C54;
+
+/// A WAL position (`pg_lsn`), written `X/X` as PostgreSQL does.
+///
+/// ```
+/// use outbox_diesel::wal::Lsn;
+/// let lsn: Lsn = "16/B374D848".parse()?;
+/// assert_eq!(lsn.0, 0x16_B374_D848);
+/// assert_eq!(lsn.to_string(), "16/B374D848");
+/// # Ok::<(), String>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Lsn(pub u64);
+
+impl fmt::Display for Lsn {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:X}/{:X}", self.0 >> 32, self.0 & 0xFFFF_FFFF)
+    }
+}
+
+impl std::str::FromStr for Lsn {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || format!("{s:?} is not a WAL position (X/X in hexadecimal)");
+        let (hi, lo) = s.split_once('/').ok_or_else(bad)?;
+        let hi = u32::from_str_radix(hi, 16).map_err(|_| bad())?;
+        let lo = u32::from_str_radix(lo, 16).map_err(|_| bad())?;
+        Ok(Lsn((u64::from(hi) << 32) | u64::from(lo)))
+    }
+}
+
+/// The slot name derived from a table: `outbox_slot` for `outbox`, `billing_outbox_slot` for
+/// `billing.outbox`. Slot names allow lower-case letters, digits and `_` only; other
+/// characters become `_`.
+///
+/// ```
+/// use outbox_diesel::wal::{default_publication, default_slot};
+/// assert_eq!(default_slot(&"outbox".parse()?), "outbox_slot");
+/// assert_eq!(default_slot(&"Billing.Events-1".parse()?), "billing_events_1_slot");
+/// assert_eq!(default_publication(&"outbox".parse()?), "outbox_pub");
+/// # Ok::<(), outbox_diesel::InvalidTableName>(())
+/// ```
+pub fn default_slot(table: &OutboxTable) -> String {
+    format!("{}_slot", base_name(table))
+}
+
+/// The publication name derived from a table: `outbox_pub` for `outbox`.
+pub fn default_publication(table: &OutboxTable) -> String {
+    format!("{}_pub", base_name(table))
+}
+
+fn base_name(table: &OutboxTable) -> String {
+    let raw = match table.schema() {
+        Some(s) => format!("{s}_{}", table.name()),
+        None => table.name().to_owned(),
+    };
+    let mut out: String = raw
+        .chars()
+        .map(|c| {
+            let c = c.to_ascii_lowercase();
+            if c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    out.truncate(58);
+    out
+}
+
+/// Checks a replication slot name: 1 to 63 of `a-z`, `0-9` and `_`.
+pub fn check_slot_name(slot: &str) -> Result<(), String> {
+    if slot.is_empty()
+        || slot.len() > 63
+        || !slot
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+    {
+        return Err(format!(
+            "replication slot name {slot:?} may only hold 1 to 63 lower-case letters, digits and `_`"
+        ));
+    }
+    Ok(())
+}
+
+/// What log tailing cannot do, and what to change.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum WalError {
+    /// Any other database error.
+    #[error(transparent)]
+    Query(#[from] DieselError),
+    /// The server's `wal_level` is below `logical`.
+    #[error(
+        "log tailing needs wal_level = logical (the server runs with a lower level): run `ALTER SYSTEM SET wal_level = logical` as a superuser and restart PostgreSQL"
+    )]
+    WalLevel(#[source] DieselError),
+    /// The role may not create or read replication slots.
+    #[error(
+        "the relay's role may not use replication slot {slot}: give it the REPLICATION attribute (`ALTER ROLE <relay> REPLICATION`) or let a superuser create the slot with `SELECT pg_create_logical_replication_slot('{slot}', 'pgoutput')`"
+    )]
+    ReplicationRight {
+        /// The slot.
+        slot: String,
+        /// The refusal.
+        #[source]
+        source: DieselError,
+    },
+    /// The role may not create the publication (it must own the table).
+    #[error(
+        "the relay's role may not create publication {publication}: it must own table {table} (and have CREATE on the database); create it once as the table's owner with `CREATE PUBLICATION {publication} FOR TABLE {table} WITH (publish = 'insert, update')`"
+    )]
+    PublicationRight {
+        /// The publication.
+        publication: String,
+        /// The table.
+        table: String,
+        /// The refusal.
+        #[source]
+        source: DieselError,
+    },
+    /// The publication exists but does not publish the table's inserts.
+    #[error(
+        "publication {publication} exists but does not publish the inserts of table {table}: `ALTER PUBLICATION {publication} ADD TABLE {table}` and `ALTER PUBLICATION {publication} SET (publish = 'insert, update')`, or pass another --publication"
+    )]
+    PublicationMismatch {
+        /// The publication.
+        publication: String,
+        /// The table.
+        table: String,
+    },
+    /// The slot exists but is not a `pgoutput` slot of this database.
+    #[error(
+        "replication slot {slot} exists but is {found}, not a pgoutput slot of this database; pass another --slot, or drop it with `SELECT pg_drop_replication_slot('{slot}')` if it is abandoned"
+    )]
+    SlotMismatch {
+        /// The slot.
+        slot: String,
+        /// What it is.
+        found: String,
+    },
+    /// The slot is gone (dropped, or invalidated by `max_slot_wal_keep_size`).
+    #[error(
+        "replication slot {slot} is {state}: the WAL it needed is gone, so events recorded meanwhile may be lost; drop it with `SELECT pg_drop_replication_slot('{slot}')` and restart the relay, which creates a new one"
+    )]
+    SlotLost {
+        /// The slot.
+        slot: String,
+        /// Its state.
+        state: String,
+    },
+    /// Another session uses the slot at this instant (an `outbox-relay status`, or a reader
+    /// that bypassed the lock); retry.
+    #[error("replication slot {slot} is in use by another session")]
+    SlotBusy {
+        /// The slot.
+        slot: String,
+        /// The refusal.
+        #[source]
+        source: DieselError,
+    },
+    /// The outbox table is missing.
+    #[error("the outbox table {0} does not exist (or is not visible to this role)")]
+    TableMissing(String),
+    /// A message of the WAL could not be decoded.
+    #[error("{0}")]
+    Decode(#[from] pgoutput::DecodeError),
+    /// A captured row lacks a column the relay needs.
+    #[error("a captured row of {table} has no usable {column}: {reason}")]
+    BadRow {
+        /// The table.
+        table: String,
+        /// The column.
+        column: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+fn classify(e: DieselError, slot: &str) -> WalError {
+    let msg = match &e {
+        DieselError::DatabaseError(_, info) => info.message().to_owned(),
+        _ => return WalError::Query(e),
+    };
+    if msg.contains("is active for PID") {
+        WalError::SlotBusy {
+            slot: slot.to_owned(),
+            source: e,
+        }
+    } else if msg.contains("wal_level") {
+        WalError::WalLevel(e)
+    } else if msg.contains("replication role") || msg.contains("replication slots") {
+        WalError::ReplicationRight {
+            slot: slot.to_owned(),
+            source: e,
+        }
+    } else {
+        WalError::Query(e)
+    }
+}
+
+/// One committed transaction's outbox events.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Transaction {
+    /// Its transaction id.
+    pub xid: u32,
+    /// The end of its commit record: confirm this once every row is acked.
+    pub end_lsn: Lsn,
+    /// When it committed.
+    pub commit_time: DateTime<Utc>,
+    /// Its events, in insertion order.
+    pub rows: Vec<OutboxRow>,
+}
+
+/// What one [`WalReader::read`] found.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct WalBatch {
+    /// Committed transactions with outbox events, in commit order.
+    pub transactions: Vec<Transaction>,
+    /// A position the slot may be confirmed at once every transaction of this batch is
+    /// acked: when the read reached the end of the WAL, the WAL flush position before the
+    /// read (so that a slot whose database writes other tables does not hold their WAL);
+    /// else the end of the last transaction read, with or without outbox events.
+    pub caught_up_to: Option<Lsn>,
+    /// Messages the read returned (for the batch-size limit).
+    pub messages: usize,
+}
+
+/// Reads a table's committed inserts from a logical replication slot, in commit order.
+#[derive(Debug, Clone)]
+pub struct WalReader {
+    table: OutboxTable,
+    slot: String,
+    publication: String,
+    table_oid: Option<u32>,
+    relations: HashMap<u32, Relation>,
+}
+
+#[derive(QueryableByName)]
+struct Change {
+    #[diesel(sql_type = diesel::sql_types::Binary)]
+    data: Vec<u8>,
+}
+
+#[derive(QueryableByName)]
+struct Position {
+    #[diesel(sql_type = Nullable<BigInt>)]
+    lsn: Option<i64>,
+}
+
+#[derive(QueryableByName)]
+struct Flag {
+    #[diesel(sql_type = Nullable<Bool>)]
+    flag: Option<bool>,
+}
+
+#[derive(QueryableByName)]
+struct Oid {
+    #[diesel(sql_type = Nullable<BigInt>)]
+    oid: Option<i64>,
+}
+
+#[derive(QueryableByName)]
+struct SlotRow {
+    #[diesel(sql_type = Nullable<Text>)]
+    plugin: Option<String>,
+    #[diesel(sql_type = Nullable<Text>)]
+    database: Option<String>,
+    #[diesel(sql_type = Nullable<Bool>)]
+    here: Option<bool>,
+    #[diesel(sql_type = Nullable<Text>)]
+    wal_status: Option<String>,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    confirmed: Option<i64>,
+}
+
+#[derive(QueryableByName)]
+struct PubRow {
+    #[diesel(sql_type = Bool)]
+    pubinsert: bool,
+    #[diesel(sql_type = Bool)]
+    pubupdate: bool,
+    #[diesel(sql_type = Bool)]
+    has_table: bool,
+}
+
+impl WalReader {
+    /// A reader of `table`'s inserts through `slot` and `publication`.
+    pub fn new(
+        table: OutboxTable,
+        slot: impl Into<String>,
+        publication: impl Into<String>,
+    ) -> Self {
+        WalReader {
+            table,
+            slot: slot.into(),
+            publication: publication.into(),
+            table_oid: None,
+            relations: HashMap::new(),
+        }
+    }
+
+    /// The slot's name.
+    pub fn slot(&self) -> &str {
+        &self.slot
+    }
+
+    /// The publication's name.
+    pub fn publication(&self) -> &str {
+        &self.publication
+    }
+
+    /// Prepares `conn` (UTC, ISO dates, so timestamps decode the same everywhere) and creates
+    /// the publication and the slot when missing; returns where a slot it created starts.
+    ///
+    /// A slot sees only what commits after its creation: rows recorded before are not read.
+    /// Creating a slot waits for the transactions running at that moment to end.
+    pub async fn setup(&mut self, conn: &mut AsyncPgConnection) -> Result<Option<Lsn>, WalError> {
+        check_slot_name(&self.slot).map_err(|reason| WalError::SlotMismatch {
+            slot: self.slot.clone(),
+            found: reason,
+        })?;
+        conn.batch_execute("SET TimeZone = 'UTC'; SET DateStyle = 'ISO, YMD'")
+            .await?;
+        let oid: Oid = diesel::sql_query(format!(
+            "SELECT to_regclass({})::oid::bigint AS oid",
+            quote_literal(&self.table.quoted())
+        ))
+        .get_result(conn)
+        .await?;
+        let oid = oid
+            .oid
+            .ok_or_else(|| WalError::TableMissing(self.table.to_string()))?;
+        self.table_oid = Some(oid as u32);
+        self.ensure_publication(conn).await?;
+        self.ensure_slot(conn).await
+    }
+
+    async fn ensure_publication(&self, conn: &mut AsyncPgConnection) -> Result<(), WalError> {
+        let found: Vec<PubRow> = diesel::sql_query(format!(
+            "SELECT p.pubinsert, p.pubupdate, (p.puballtables OR EXISTS (SELECT 1 FROM pg_publication_rel r \
+             WHERE r.prpubid = p.oid AND r.prrelid = to_regclass({}))) AS has_table \
+             FROM pg_publication p WHERE p.pubname = $1",
+            quote_literal(&self.table.quoted())
+        ))
+        .bind::<Text, _>(&self.publication)
+        .load(conn)
+        .await?;
+        match found.as_slice().first() {
+            Some(p) if p.pubinsert && p.has_table => {
+                if !p.pubupdate {
+                    tracing::warn!(publication = %self.publication, "the publication does not publish updates: `outbox-relay retry` of a parked event is not seen by log tailing");
+                }
+                Ok(())
+            }
+            Some(_) => Err(WalError::PublicationMismatch {
+                publication: self.publication.clone(),
+                table: self.table.to_string(),
+            }),
+            None => {
+                let sql = format!(
+                    "CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert, update')",
+                    quote_ident(&self.publication),
+                    self.table.quoted()
+                );
+                match conn.batch_execute(&sql).await {
+                    Ok(()) => {
+                        tracing::info!(publication = %self.publication, table = %self.table, "publication created");
+                        Ok(())
+                    }
+                    // another relay created it meanwhile
+                    Err(DieselError::DatabaseError(
+                        diesel::result::DatabaseErrorKind::UniqueViolation,
+                        _,
+                    )) => Ok(()),
+                    Err(DieselError::DatabaseError(_, info))
+                        if info.message().contains("already exists") =>
+                    {
+                        Ok(())
+                    }
+                    Err(e @ DieselError::DatabaseError(..)) if is_permission_error(&e) => {
+                        Err(WalError::PublicationRight {
+                            publication: self.publication.clone(),
+                            table: self.table.to_string(),
+                            source: e,
+                        })
+                    }
+                    Err(e) => Err(e.into()),
+                }
+            }
+        }
+    }
+
+    async fn ensure_slot(&self, conn: &mut AsyncPgConnection) -> Result<Option<Lsn>, WalError> {
+        let found: Vec<SlotRow> = diesel::sql_query(
+            "SELECT s.plugin::text AS plugin, d.datname::text AS database, \
+             d.datname = current_database() AS here, s.wal_status, \
+             (s.confirmed_flush_lsn - '0/0'::pg_lsn)::bigint AS confirmed \
+             FROM pg_replication_slots s LEFT JOIN pg_database d ON d.oid = s.datoid \
+             WHERE s.slot_name = $1",
+        )
+        .bind::<Text, _>(&self.slot)
+        .load(conn)
+        .await?;
+        if let Some(s) = found.as_slice().first() {
+            if s.plugin.as_deref() != Some("pgoutput") || s.here != Some(true) {
+                return Err(WalError::SlotMismatch {
+                    slot: self.slot.clone(),
+                    found: format!(
+                        "a slot of plugin {} in database {}",
+                        s.plugin.as_deref().unwrap_or("none (physical)"),
+                        s.database.as_deref().unwrap_or("none")
+                    ),
+                });
+            }
+            if s.wal_status.as_deref() == Some("lost") || s.confirmed.is_none() {
+                return Err(WalError::SlotLost {
+                    slot: self.slot.clone(),
+                    state: s.wal_status.clone().unwrap_or_else(|| "invalid".into()),
+                });
+            }
+            return Ok(None);
+        }
+        tracing::info!(slot = %self.slot, "creating the replication slot (this waits for the transactions running now to end)");
+        let created: Result<Position, _> = diesel::sql_query(
+            "SELECT (lsn - '0/0'::pg_lsn)::bigint AS lsn \
+             FROM pg_create_logical_replication_slot($1, 'pgoutput')",
+        )
+        .bind::<Text, _>(&self.slot)
+        .get_result(conn)
+        .await;
+        match created {
+            Ok(p) => {
+                let at = Lsn(p.lsn.unwrap_or_default() as u64);
+                tracing::info!(slot = %self.slot, lsn = %at, "replication slot created");
+                Ok(Some(at))
+            }
+            Err(DieselError::DatabaseError(diesel::result::DatabaseErrorKind::Unknown, info))
+                if info.message().contains("already exists") =>
+            {
+                Ok(None)
+            }
+            Err(e) => Err(classify(e, &self.slot)),
+        }
+    }
+
+    /// Reads the committed transactions after the slot's confirmed position, in commit
+    /// order, until about `limit` messages (a transaction is never split, so one larger
+    /// transaction is read whole). Nothing is consumed: the same transactions come again
+    /// until [`WalReader::advance`] confirms past them.
+    ///
+    /// Only inserts into the outbox table count, except rows recorded as parked (a parked
+    /// event written back by the relay). An update that releases a parked row
+    /// (`outbox-relay retry`: `parked_at` back to `NULL`) brings the row back as an event.
+    /// Deletes are ignored.
+    pub async fn read(
+        &mut self,
+        conn: &mut AsyncPgConnection,
+        limit: usize,
+    ) -> Result<WalBatch, WalError> {
+        let limit = limit.max(1);
+        let flush: Position =
+            diesel::sql_query("SELECT (pg_current_wal_flush_lsn() - '0/0'::pg_lsn)::bigint AS lsn")
+                .get_result(conn)
+                .await?;
+        let changes: Vec<Change> = diesel::sql_query(
+            "SELECT data FROM pg_logical_slot_peek_binary_changes($1::name, NULL, $2, \
+             'proto_version', '1', 'publication_names', $3)",
+        )
+        .bind::<Text, _>(&self.slot)
+        .bind::<Integer, _>(i32::try_from(limit).unwrap_or(i32::MAX))
+        .bind::<Text, _>(quote_ident(&self.publication))
+        .load(conn)
+        .await
+        .map_err(|e| classify(e, &self.slot))?;
+        let messages = changes.len();
+        let mut transactions = Vec::new();
+        let mut current: Option<(u32, Vec<Captured>)> = None;
+        let mut last_commit = None;
+        for change in &changes {
+            match pgoutput::decode(&change.data)? {
+                Message::Begin { xid, .. } => current = Some((xid, Vec::new())),
+                Message::Relation(r) => {
+                    self.relations.insert(r.oid, r);
+                }
+                Message::Insert { relation, tuple } => {
+                    if let (Some((_, rows)), Some(rel)) =
+                        (current.as_mut(), self.our_relation(relation))
+                        && !is_set(&tuple, rel, "parked_at")
+                    {
+                        rows.push(Captured::Row(Box::new(self.to_row(rel, &tuple)?)));
+                    }
+                }
+                Message::Update { relation, tuple } => {
+                    if let (Some((_, rows)), Some(rel)) =
+                        (current.as_mut(), self.our_relation(relation))
+                        && is_null(&tuple, rel, "parked_at")
+                        && is_null(&tuple, rel, "published_at")
+                        && is_set(&tuple, rel, "last_error")
+                    {
+                        let seq = text(&tuple, rel, "seq")
+                            .and_then(|s| s.parse::<i64>().ok())
+                            .ok_or_else(|| self.bad("seq", "missing in an update".into()))?;
+                        rows.push(Captured::Released(seq));
+                    }
+                }
+                Message::Commit {
+                    end_lsn,
+                    commit_time_micros,
+                    ..
+                } => {
+                    last_commit = Some(Lsn(end_lsn));
+                    if let Some((xid, rows)) = current.take()
+                        && !rows.is_empty()
+                    {
+                        transactions.push((
+                            xid,
+                            Lsn(end_lsn),
+                            pgoutput::commit_time(commit_time_micros),
+                            rows,
+                        ));
+                    }
+                }
+                Message::Delete { .. } | Message::Other(_) => {}
+            }
+        }
+        let released: Vec<i64> = transactions
+            .iter()
+            .flat_map(|t| t.3.iter())
+            .filter_map(|c| match c {
+                Captured::Released(seq) => Some(*seq),
+                Captured::Row(_) => None,
+            })
+            .collect();
+        let mut current_rows: HashMap<i64, OutboxRow> = if released.is_empty() {
+            HashMap::new()
+        } else {
+            rows_by_seq(conn, &self.table, &released)
+                .await?
+                .into_iter()
+                .map(|r| (r.seq, r))
+                .collect()
+        };
+        let transactions = transactions
+            .into_iter()
+            .map(|(xid, end_lsn, commit_time, captured)| Transaction {
+                xid,
+                end_lsn,
+                commit_time,
+                rows: captured
+                    .into_iter()
+                    .filter_map(|c| match c {
+                        Captured::Row(r) => Some(*r),
+                        Captured::Released(seq) => current_rows.remove(&seq),
+                    })
+                    .collect(),
+            })
+            .collect::<Vec<_>>();
+        let caught_up_to = if messages < limit {
+            flush.lsn.map(|l| Lsn(l as u64)).max(last_commit)
+        } else {
+            last_commit
+        };
+        Ok(WalBatch {
+            transactions,
+            caught_up_to,
+            messages,
+        })
+    }
+
+    fn our_relation(&self, oid: u32) -> Option<&Relation> {
+        if Some(oid) != self.table_oid {
+            return None;
+        }
+        self.relations.get(&oid)
+    }
+
+    fn bad(&self, column: &'static str, reason: String) -> WalError {
+        WalError::BadRow {
+            table: self.table.to_string(),
+            column,
+            reason,
+        }
+    }
+
+    fn to_row(&self, rel: &Relation, t: &Tuple) -> Result<OutboxRow, WalError> {
+        let need = |column: &'static str| {
+            text(t, rel, column).ok_or_else(|| self.bad(column, "missing or NULL".into()))
+        };
+        let json = |column: &'static str| -> Result<serde_json::Value, WalError> {
+            serde_json::from_str(need(column)?).map_err(|e| self.bad(column, e.to_string()))
+        };
+        Ok(OutboxRow {
+            seq: need("seq")?
+                .parse()
+                .map_err(|e: std::num::ParseIntError| self.bad("seq", e.to_string()))?,
+            id: need("id")?
+                .parse()
+                .map_err(|e: uuid::Error| self.bad("id", e.to_string()))?,
+            aggregate_type: need("aggregate_type")?.to_owned(),
+            aggregate_id: need("aggregate_id")?.to_owned(),
+            event_type: need("event_type")?.to_owned(),
+            payload: json("payload")?,
+            headers: match text(t, rel, "headers") {
+                Some(_) => json("headers")?,
+                None => serde_json::Value::Object(Default::default()),
+            },
+            created_at: text(t, rel, "created_at")
+                .and_then(parse_timestamptz)
+                .unwrap_or_else(Utc::now),
+            attempts: text(t, rel, "attempts")
+                .and_then(|a| a.parse().ok())
+                .unwrap_or(0),
+        })
+    }
+
+    /// Confirms that everything up to `to` is published: the slot will not return it again
+    /// and PostgreSQL may recycle the WAL before it. Returns the slot's confirmed position.
+    /// A position at or before the current one changes nothing.
+    pub async fn advance(&self, conn: &mut AsyncPgConnection, to: Lsn) -> Result<Lsn, WalError> {
+        let p: Position = diesel::sql_query(
+            "SELECT (CASE WHEN s.confirmed_flush_lsn < $2::pg_lsn \
+             THEN (SELECT end_lsn FROM pg_replication_slot_advance($1::name, $2::pg_lsn)) \
+             ELSE s.confirmed_flush_lsn END - '0/0'::pg_lsn)::bigint AS lsn \
+             FROM pg_replication_slots s WHERE s.slot_name = $1",
+        )
+        .bind::<Text, _>(&self.slot)
+        .bind::<Text, _>(to.to_string())
+        .get_result(conn)
+        .await
+        .map_err(|e| classify(e, &self.slot))?;
+        Ok(Lsn(p.lsn.unwrap_or_default() as u64))
+    }
+
+    /// The slot's confirmed position now.
+    pub async fn confirmed(&self, conn: &mut AsyncPgConnection) -> Result<Option<Lsn>, WalError> {
+        let p: Vec<Position> = diesel::sql_query(
+            "SELECT (confirmed_flush_lsn - '0/0'::pg_lsn)::bigint AS lsn \
+             FROM pg_replication_slots WHERE slot_name = $1",
+        )
+        .bind::<Text, _>(&self.slot)
+        .load(conn)
+        .await?;
+        Ok(p.as_slice()
+            .first()
+            .and_then(|p| p.lsn)
+            .map(|l| Lsn(l as u64)))
+    }
+}
+
+enum Captured {
+    Row(Box<OutboxRow>),
+    Released(i64),
+}
+
+fn text<'t>(t: &'t Tuple, rel: &Relation, column: &str) -> Option<&'t str> {
+    match t.get(rel, column)? {
+        Value::Text(s) => Some(s.as_str()),
+        _ => None,
+    }
+}
+
+fn is_set(t: &Tuple, rel: &Relation, column: &str) -> bool {
+    matches!(t.get(rel, column), Some(Value::Text(_)))
+}
+
+fn is_null(t: &Tuple, rel: &Relation, column: &str) -> bool {
+    matches!(t.get(rel, column), Some(Value::Null) | None)
+}
+
+/// Parses `timestamptz` output in the ISO style (`2026-12-01 10:00:00.123456+00`).
+fn parse_timestamptz(s: &str) -> Option<DateTime<Utc>> {
+    DateTime::parse_from_str(s, "%Y-%m-%d %H:%M:%S%.f%#z")
+        .ok()
+        .map(|d| d.with_timezone(&Utc))
+}
+
+fn is_permission_error(e: &DieselError) -> bool {
+    match e {
+        DieselError::DatabaseError(_, info) => {
+            let m = info.message();
+            m.contains("must be owner") || m.contains("permission denied")
+        }
+        _ => false,
+    }
+}
+
+/// Tries to take the session advisory lock that makes this connection the one reader of
+/// `slot` (`pg_try_advisory_lock(SLOT_LOCK_KEY, hashtext(slot))`); `true` when it has it. It
+/// is released when the connection closes, so a standby takes over as soon as PostgreSQL
+/// notices that the reader's connection is gone.
+pub async fn try_lock_slot(conn: &mut AsyncPgConnection, slot: &str) -> diesel::QueryResult<bool> {
+    let f: Flag = diesel::sql_query(format!(
+        "SELECT pg_try_advisory_lock({SLOT_LOCK_KEY}, hashtext($1)) AS flag"
+    ))
+    .bind::<Text, _>(slot)
+    .get_result(conn)
+    .await?;
+    Ok(f.flag.unwrap_or(false))
+}
+
+/// Releases the lock of [`try_lock_slot`].
+pub async fn unlock_slot(conn: &mut AsyncPgConnection, slot: &str) -> diesel::QueryResult<bool> {
+    let f: Flag = diesel::sql_query(format!(
+        "SELECT pg_advisory_unlock({SLOT_LOCK_KEY}, hashtext($1)) AS flag"
+    ))
+    .bind::<Text, _>(slot)
+    .get_result(conn)
+    .await?;
+    Ok(f.flag.unwrap_or(false))
+}
+
+/// A replication slot's state and how far it lags.
+#[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize)]
+pub struct SlotLag {
+    /// The slot.
+    #[diesel(sql_type = Text)]
+    pub slot: String,
+    /// Its confirmed position (`X/X`).
+    #[diesel(sql_type = Nullable<Text>)]
+    pub confirmed_flush_lsn: Option<String>,
+    /// Bytes of WAL written since its confirmed position: what a reader has yet to confirm.
+    #[diesel(sql_type = BigInt)]
+    pub lag_bytes: i64,
+    /// Bytes of WAL the slot keeps on disk (from its restart position).
+    #[diesel(sql_type = BigInt)]
+    pub retained_bytes: i64,
+    /// PostgreSQL's `wal_status`: `reserved`, `extended`, `unreserved` (about to be lost) or
+    /// `lost`.
+    #[diesel(sql_type = Nullable<Text>)]
+    pub wal_status: Option<String>,
+    /// Bytes that may still be written before the slot is lost to `max_slot_wal_keep_size`;
+    /// `None` when that setting is unlimited.
+    #[diesel(sql_type = Nullable<BigInt>)]
+    pub safe_wal_size: Option<i64>,
+    /// The relay session that holds the reader's lock.
+    #[diesel(sql_type = Nullable<Integer>)]
+    pub reader_pid: Option<i32>,
+}
+
+/// The lag of `slot`, or `None` when it does not exist.
+pub async fn slot_lag(
+    conn: &mut AsyncPgConnection,
+    slot: &str,
+) -> diesel::QueryResult<Option<SlotLag>> {
+    let rows: Vec<SlotLag> = diesel::sql_query(format!(
+        "SELECT s.slot_name::text AS slot, s.confirmed_flush_lsn::text AS confirmed_flush_lsn, \
+         COALESCE((pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint, 0) AS lag_bytes, \
+         COALESCE((pg_current_wal_lsn() - s.restart_lsn)::bigint, 0) AS retained_bytes, \
+         s.wal_status, s.safe_wal_size, \
+         (SELECT l.pid FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted \
+          AND l.objsubid = 2 AND l.classid = {SLOT_LOCK_KEY} AND l.objid = hashtext(s.slot_name::text)::oid \
+          AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) LIMIT 1) AS reader_pid \
+         FROM pg_replication_slots s WHERE s.slot_name = $1"
+    ))
+    .bind::<Text, _>(slot)
+    .load(conn)
+    .await?;
+    Ok(rows.into_iter().next())
+}
+
+/// Seconds since the oldest transaction the slot has not confirmed committed (0 when there
+/// is none), read by decoding up to one transaction. It needs the REPLICATION right, and
+/// fails while a reader is using the slot at that instant; retry then.
+pub async fn pending_age_seconds(
+    conn: &mut AsyncPgConnection,
+    slot: &str,
+    publication: &str,
+) -> Result<f64, WalError> {
+    let changes: Vec<Change> = diesel::sql_query(
+        "SELECT data FROM pg_logical_slot_peek_binary_changes($1::name, NULL, 1, \
+         'proto_version', '1', 'publication_names', $2)",
+    )
+    .bind::<Text, _>(slot)
+    .bind::<Text, _>(quote_ident(publication))
+    .load(conn)
+    .await
+    .map_err(|e| classify(e, slot))?;
+    for change in &changes {
+        if let Message::Begin {
+            commit_time_micros, ..
+        } = pgoutput::decode(&change.data)?
+        {
+            let age = Utc::now() - pgoutput::commit_time(commit_time_micros);
+            return Ok(age.to_std().unwrap_or_default().as_secs_f64());
+        }
+    }
+    Ok(0.0)
+}
+
+/// Records an event the relay gave up on: its row gets `parked_at`, `attempts` and
+/// `last_error`, and is written back (with its `seq`) when the recording side deleted it.
+/// The reader passes over parked rows; `outbox-relay parked` lists them and `outbox-relay
+/// retry` releases them, which the reader sees as an update and publishes.
+pub async fn park(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    row: &OutboxRow,
+    attempts: i32,
+    error: &str,
+) -> diesel::QueryResult<()> {
+    diesel::sql_query(format!(
+        "INSERT INTO {} (seq, id, aggregate_type, aggregate_id, event_type, payload, headers, \
+         created_at, attempts, last_error, parked_at) OVERRIDING SYSTEM VALUE \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, now()) \
+         ON CONFLICT (id) DO UPDATE SET attempts = EXCLUDED.attempts, \
+         last_error = EXCLUDED.last_error, parked_at = now()",
+        table.quoted()
+    ))
+    .bind::<BigInt, _>(row.seq)
+    .bind::<diesel::sql_types::Uuid, _>(row.id)
+    .bind::<Text, _>(&row.aggregate_type)
+    .bind::<Text, _>(&row.aggregate_id)
+    .bind::<Text, _>(&row.event_type)
+    .bind::<diesel::sql_types::Jsonb, _>(&row.payload)
+    .bind::<diesel::sql_types::Jsonb, _>(&row.headers)
+    .bind::<diesel::sql_types::Timestamptz, _>(row.created_at)
+    .bind::<Integer, _>(attempts)
+    .bind::<Text, _>(error)
+    .execute(conn)
+    .await
+    .map(drop)
+}
+
+/// Deletes up to `limit` captured rows: rows with `seq` at most `up_to_seq` (the highest
+/// `seq` the relay has confirmed), recorded more than `older_than` ago, and not parked.
+/// Returns how many. Deleting a row never affects delivery: its insert is in the WAL.
+pub async fn delete_captured(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    up_to_seq: i64,
+    older_than: Duration,
+    limit: i64,
+) -> diesel::QueryResult<usize> {
+    let t = table.quoted();
+    diesel::sql_query(format!(
+        "DELETE FROM {t} WHERE seq IN (SELECT seq FROM {t} WHERE seq <= $1 AND parked_at IS NULL \
+         AND created_at < now() - make_interval(secs => $2) ORDER BY seq LIMIT $3 \
+         FOR UPDATE SKIP LOCKED)"
+    ))
+    .bind::<BigInt, _>(up_to_seq)
+    .bind::<Double, _>(older_than.as_secs_f64())
+    .bind::<BigInt, _>(limit)
+    .execute(conn)
+    .await
+}
+
+/// The rows `seqs` of `table` as they are now.
+async fn rows_by_seq(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    seqs: &[i64],
+) -> diesel::QueryResult<Vec<OutboxRow>> {
+    diesel::sql_query(format!(
+        "SELECT seq, id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, \
+         attempts FROM {} WHERE seq = ANY($1) AND parked_at IS NULL ORDER BY seq",
+        table.quoted()
+    ))
+    .bind::<Array<BigInt>, _>(seqs)
+    .load(conn)
+    .await
+}
+
+/// Unpublished, unparked rows still in the table (a slot created now will not read them).
+pub async fn rows_before_slot(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+) -> diesel::QueryResult<i64> {
+    #[derive(QueryableByName)]
+    struct N {
+        #[diesel(sql_type = BigInt)]
+        n: i64,
+    }
+    let n: N = diesel::sql_query(format!(
+        "SELECT count(*) AS n FROM {} WHERE published_at IS NULL AND parked_at IS NULL",
+        table.quoted()
+    ))
+    .get_result(conn)
+    .await?;
+    Ok(n.n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lsn_round_trips() {
+        for s in ["0/0", "0/16B3748", "16/B374D848", "FFFFFFFF/FFFFFFFF"] {
+            let l: Lsn = s.parse().expect("lsn");
+            assert_eq!(l.to_string(), s);
+        }
+        assert!("16B374D848".parse::<Lsn>().is_err());
+        assert!(Lsn(1) < Lsn(2));
+    }
+
+    #[test]
+    fn parses_iso_timestamptz() {
+        let t = parse_timestamptz("2026-12-01 10:00:00.123456+00").expect("ts");
+        assert_eq!(t.to_rfc3339(), "2026-12-01T10:00:00.123456+00:00");
+        let t = parse_timestamptz("2026-12-01 10:00:00+05:30").expect("ts");
+        assert_eq!(t.to_rfc3339(), "2026-12-01T04:30:00+00:00");
+    }
+
+    #[test]
+    fn slot_names() {
+        assert!(check_slot_name("outbox_slot").is_ok());
+        assert!(check_slot_name("Outbox").is_err());
+        assert!(check_slot_name("").is_err());
+        assert!(check_slot_name(&"a".repeat(64)).is_err());
+    }
+}

@@ -1,0 +1,114 @@
+//! Cleanup for the polling modes: published rows older than the retention are deleted (or
+//! moved to an archive table) in bounded batches, on a schedule, from a connection of its own.
+//!
+//! The poll reads the partial index of unpublished rows, so published rows cost it nothing
+//! until they pile up as dead index entries and table bloat; cleanup keeps the table to about
+//! the rows of one retention period. Each batch is one short statement that locks only the
+//! rows it deletes and skips rows locked by another cleaner (`FOR UPDATE SKIP LOCKED`), so
+//! every relay may run it: two cleaners share the work instead of waiting on each other, and
+//! the publish path, which never touches published rows, never waits on either.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use diesel::QueryResult;
+use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
+use outbox_diesel::OutboxTable;
+use outbox_diesel::relay as db;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::RelayConfig;
+use crate::metrics as m;
+
+/// Deletes (or archives into `archive`) every row of `table` published more than `retention`
+/// ago, `batch` rows per statement, until none is left or `shutdown` is cancelled; returns how
+/// many it removed. Each batch counts in `outbox_cleanup_rows_deleted_total`.
+pub async fn sweep(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    archive: Option<&OutboxTable>,
+    retention: Duration,
+    batch: usize,
+    shutdown: &CancellationToken,
+) -> QueryResult<u64> {
+    let limit = batch.max(1) as i64;
+    let mut total = 0u64;
+    while !shutdown.is_cancelled() {
+        let n = match archive {
+            Some(a) => db::archive_published(conn, table, a, retention, limit).await?,
+            None => db::delete_published(conn, table, retention, limit).await?,
+        };
+        total += n as u64;
+        metrics::counter!(m::CLEANUP_DELETED).increment(n as u64);
+        if (n as i64) < limit {
+            break;
+        }
+    }
+    Ok(total)
+}
+
+/// The relay's cleanup task.
+pub(crate) struct Cleanup {
+    pub(crate) cfg: Arc<RelayConfig>,
+    pub(crate) shutdown: CancellationToken,
+}
+
+impl Cleanup {
+    pub(crate) async fn run(self) {
+        let cfg = &self.cfg;
+        let mut conn: Option<AsyncPgConnection> = None;
+        let mut tick = tokio::time::interval(cfg.cleanup_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = self.shutdown.cancelled() => return,
+            }
+            if conn.is_none() {
+                conn = match connect(&cfg.database_url).await {
+                    Ok(c) => Some(c),
+                    Err(e) => {
+                        debug!(error = %e, "cleanup cannot connect to PostgreSQL; next round");
+                        continue;
+                    }
+                };
+            }
+            let Some(c) = conn.as_mut() else { continue };
+            let started = Instant::now();
+            let swept = sweep(
+                c,
+                &cfg.table,
+                cfg.archive_table.as_ref(),
+                cfg.retention,
+                cfg.cleanup_batch,
+                &self.shutdown,
+            )
+            .await;
+            match swept {
+                Ok(0) => {}
+                Ok(n) => {
+                    let took = started.elapsed();
+                    metrics::histogram!(m::CLEANUP_DURATION).record(took.as_secs_f64());
+                    if n as usize >= cfg.cleanup_batch * 10 {
+                        info!(deleted = n, took = ?took, "cleanup removed published rows");
+                    } else {
+                        debug!(deleted = n, took = ?took, "cleanup removed published rows");
+                    }
+                }
+                Err(e) => {
+                    warn!(error = %e, "cleanup failed; it retries next round (does the relay's role have DELETE on the outbox table?)");
+                    conn = None;
+                }
+            }
+        }
+    }
+}
+
+/// A connection named `outbox-relay-cleanup` in `pg_stat_activity`.
+async fn connect(url: &str) -> Result<AsyncPgConnection, Box<dyn std::error::Error + Send + Sync>> {
+    let mut conn = AsyncPgConnection::establish(url).await?;
+    conn.batch_execute("SET application_name = 'outbox-relay-cleanup'")
+        .await?;
+    Ok(conn)
+}

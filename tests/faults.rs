@@ -1,0 +1,1222 @@
+//! The fault suite: the outbox's promise under kills, broker and database restarts, pauses,
+//! and bad input, with real processes.
+//!
+//! The application is the writer example (`examples/writer.rs`), the relays are `outbox-relay`
+//! processes, and after each run the checker (`support::checker`) reads the whole stream back
+//! and compares it with the database: missing, orphaned, duplicated and reordered events,
+//! half-committed transactions, rows marked without being in the stream.
+//!
+//! The default (short) versions run in CI; the long ones (`cargo test --test faults --
+//! --ignored`) run the same scenarios with 200,000 events and 50 faults. Build the binaries
+//! first: `cargo build --workspace --bins --examples`. `OUTBOX_FAULT_SEED` replays the random
+//! fault timings of a run (each test prints its seed); a failing test keeps its processes'
+//! logs and prints where they are (`OUTBOX_FAULT_KEEP_LOGS=1` keeps them always).
+//!
+//! The tests of this file run one at a time (`SERIAL`): they measure handover times on a small
+//! machine, and two fault runs side by side would measure each other.
+
+mod support;
+
+use std::fs::File;
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+use diesel::prelude::*;
+use futures_util::StreamExt;
+use outbox_diesel::{InboxExt, OutboxEvent, OutboxExt};
+use serde::Serialize;
+use support::checker::{self, DbEvent, Report, StreamMessage};
+use support::servers::{NatsServer, PgCluster};
+use support::{Proc, TestDb, TestStream, example_bin, relay_bin, relay_command, wait_until};
+
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+// ---------------------------------------------------------------------------------------------
+// harness
+
+/// The relay modes that claim something: ordered ones must also keep per-aggregate order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// `--partitions 4`, two relays sharing them.
+    Ordered,
+    /// Competing workers, two per relay.
+    Unordered,
+}
+
+impl Mode {
+    fn relay_args(self) -> Vec<String> {
+        let args: &[&str] = match self {
+            Mode::Ordered => &["--partitions", "4", "--batch-size", "50"],
+            Mode::Unordered => &[
+                "--mode",
+                "unordered",
+                "--workers",
+                "2",
+                "--batch-size",
+                "50",
+            ],
+        };
+        args.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn assert(self, report: &Report) {
+        match self {
+            Mode::Ordered => report.assert_exact_and_ordered(),
+            Mode::Unordered => report.assert_exact(),
+        }
+    }
+}
+
+/// How big a run is: the CI version or the long one.
+#[derive(Debug, Clone, Copy)]
+struct Size {
+    events: u64,
+    /// Writer transactions per second (0 = unlimited).
+    rate: u64,
+    faults: usize,
+}
+
+const SHORT: Size = Size {
+    events: 3_000,
+    rate: 1_000,
+    faults: 8,
+};
+const LONG: Size = Size {
+    events: 200_000,
+    rate: 1_500,
+    faults: 50,
+};
+
+impl Size {
+    /// How long the writer should take at its rate.
+    fn writing_time(self) -> Duration {
+        Duration::from_secs_f64(self.events as f64 / self.rate.max(1) as f64)
+    }
+
+    /// A generous bound for anything that waits on the whole run: four times the writing
+    /// time, or 100 events a second on a loaded machine.
+    fn timeout(self) -> Duration {
+        Duration::from_secs(60)
+            + (self.writing_time() * 4).max(Duration::from_secs(self.events / 100))
+    }
+}
+
+/// Waits until the run reaches fault `k` of `size.faults` (spread evenly over the events the
+/// writer commits, whatever its speed), then a random moment more: the faults land anywhere
+/// in the relays' loop (claiming, publishing, between ack and mark, starting).
+async fn next_fault(db: &TestDb, size: Size, k: usize, rng: &mut Rng) {
+    let target = size.events as i64 * k as i64 / (size.faults as i64 + 1);
+    wait_until(
+        size.timeout(),
+        &format!("{target} rows written"),
+        || async { db.scalar("SELECT COALESCE(max(seq), 0) FROM outbox") >= target },
+    )
+    .await;
+    // the fault's timing, random on purpose: not a synchronisation
+    tokio::time::sleep(rng.between(Duration::ZERO, Duration::from_millis(300))).await;
+}
+
+/// A small xorshift generator: the fault timings, reproducible through `OUTBOX_FAULT_SEED`.
+struct Rng(u64);
+
+impl Rng {
+    fn new(test: &str) -> Self {
+        let seed = std::env::var("OUTBOX_FAULT_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_nanos() as u64)
+                    .unwrap_or(1)
+            })
+            | 1;
+        eprintln!("{test}: OUTBOX_FAULT_SEED={seed}");
+        Rng(seed)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+
+    /// A random duration between `lo` and `hi`.
+    fn between(&mut self, lo: Duration, hi: Duration) -> Duration {
+        let span = hi.saturating_sub(lo).as_micros() as u64;
+        lo + Duration::from_micros(self.below(span + 1))
+    }
+}
+
+/// A directory for the processes' logs: removed after a passing test, kept (and printed) after
+/// a failing one.
+struct Logs {
+    dir: PathBuf,
+}
+
+impl Logs {
+    fn new(test: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "outbox-faults-{test}-{}",
+            uuid::Uuid::now_v7().simple()
+        ));
+        std::fs::create_dir_all(&dir).expect("a log directory");
+        Logs { dir }
+    }
+
+    fn file(&self, name: &str) -> Stdio {
+        File::options()
+            .create(true)
+            .append(true)
+            .open(self.dir.join(format!("{name}.log")))
+            .map(Stdio::from)
+            .unwrap_or_else(|_| Stdio::null())
+    }
+}
+
+impl Drop for Logs {
+    fn drop(&mut self) {
+        if std::thread::panicking() || std::env::var_os("OUTBOX_FAULT_KEEP_LOGS").is_some() {
+            eprintln!("the processes' logs are in {}", self.dir.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// Relay processes on one database and stream, restarted under the same name.
+struct Relays<'a> {
+    db: &'a TestDb,
+    stream: &'a TestStream,
+    logs: &'a Logs,
+    args: Vec<String>,
+    procs: Vec<Proc>,
+    started: usize,
+}
+
+impl<'a> Relays<'a> {
+    fn start(
+        db: &'a TestDb,
+        stream: &'a TestStream,
+        logs: &'a Logs,
+        args: Vec<String>,
+        n: usize,
+    ) -> Self {
+        let mut relays = Relays {
+            db,
+            stream,
+            logs,
+            args,
+            procs: Vec::new(),
+            started: 0,
+        };
+        for _ in 0..n {
+            let p = relays.spawn();
+            relays.procs.push(p);
+        }
+        relays
+    }
+
+    fn spawn(&mut self) -> Proc {
+        self.started += 1;
+        let args: Vec<&str> = self.args.iter().map(String::as_str).collect();
+        let mut cmd = relay_command(self.db, self.stream, &args);
+        // the checker compares every row with the stream: keep the published rows
+        cmd.arg("--no-cleanup")
+            .env("NO_COLOR", "1")
+            .stdout(Stdio::null())
+            .stderr(self.logs.file("relays"));
+        Proc::spawn(&format!("relay-{}", self.started), &mut cmd)
+    }
+
+    /// SIGKILLs relay `i` and starts a new one in its place.
+    fn kill_and_restart(&mut self, i: usize) {
+        self.procs[i].kill();
+        let p = self.spawn();
+        self.procs[i] = p;
+    }
+}
+
+/// The writer example on `db`, its session named `name`, its stdout piped.
+fn writer(db: &TestDb, logs: &Logs, name: &str, args: &[&str]) -> Proc {
+    let mut cmd = Command::new(example_bin("writer"));
+    cmd.env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("DATABASE_URL", &db.url)
+        .args(["--name", name])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(logs.file(name));
+    Proc::spawn(name, &mut cmd)
+}
+
+/// A writer of `size.events` transactions over 200 accounts, at `size.rate`. On the shared
+/// server, which no test crashes, it commits without waiting for the WAL flush (the machine's
+/// disk would otherwise set the pace); on a private cluster that a test crashes, durably.
+fn steady_writer(db: &TestDb, logs: &Logs, size: Size) -> Proc {
+    let (count, rate) = (size.events.to_string(), size.rate.to_string());
+    let mut args = vec![
+        "--count",
+        &count,
+        "--rate",
+        &rate,
+        "--threads",
+        "2",
+        "--aggregates",
+        "200",
+    ];
+    if db.url.starts_with(&support::pg_base()) {
+        args.push("--async-commit");
+    }
+    writer(db, logs, "writer", &args)
+}
+
+/// Waits for `p` to exit; returns its exit code and its stdout.
+async fn exit_of(p: &mut Proc, timeout: Duration) -> (i32, String) {
+    let start = Instant::now();
+    let code = loop {
+        if let Ok(Some(status)) = p.child.try_wait() {
+            break status.code().unwrap_or(-1);
+        }
+        assert!(
+            start.elapsed() < timeout,
+            "{} did not exit within {timeout:?}",
+            p.name
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let mut out = String::new();
+    if let Some(mut stdout) = p.child.stdout.take() {
+        let _ = stdout.read_to_string(&mut out);
+    }
+    (code, out)
+}
+
+/// A writer's final `committed N rolled_back N failed N` line, as numbers.
+fn writer_counts(out: &str) -> (u64, u64, u64) {
+    let n = |key: &str| {
+        out.split_whitespace()
+            .skip_while(|w| *w != key)
+            .nth(1)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no `{key}` in the writer's output {out:?}"))
+    };
+    (n("committed"), n("rolled_back"), n("failed"))
+}
+
+/// Waits for a writer to finish cleanly; returns what it committed.
+async fn finished(p: &mut Proc, size: Size) -> u64 {
+    let (code, out) = exit_of(p, size.timeout()).await;
+    assert_eq!(code, 0, "{} failed: {out}", p.name);
+    writer_counts(&out).0
+}
+
+fn published(db: &TestDb) -> i64 {
+    db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
+}
+
+/// Waits until every committed row is marked published.
+async fn drained(db: &TestDb, timeout: Duration) {
+    wait_until(timeout, "every outbox row published", || async {
+        db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL") == 0
+    })
+    .await;
+}
+
+/// Waits until at least `n` rows are published.
+async fn published_at_least(db: &TestDb, n: i64, timeout: Duration) {
+    wait_until(timeout, &format!("{n} rows published"), || async {
+        published(db) >= n
+    })
+    .await;
+}
+
+/// The partition owners of the outbox: (partition, backend pid).
+fn owners(db: &TestDb) -> Vec<(i32, i32)> {
+    #[derive(QueryableByName)]
+    struct O {
+        #[diesel(sql_type = diesel::sql_types::Integer)]
+        partition: i32,
+        #[diesel(sql_type = diesel::sql_types::Integer)]
+        pid: i32,
+    }
+    let rows: Vec<O> = diesel::sql_query(
+        "SELECT l.objid::int AS partition, l.pid FROM pg_locks l WHERE l.locktype = 'advisory' \
+         AND l.granted AND l.objsubid = 2 AND l.classid = 'outbox'::regclass::oid \
+         AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+    )
+    .load(&mut db.conn())
+    .expect("partition owners");
+    rows.into_iter().map(|o| (o.partition, o.pid)).collect()
+}
+
+fn distinct_owners(db: &TestDb) -> (usize, usize) {
+    let o = owners(db);
+    let pids: std::collections::HashSet<i32> = o.iter().map(|(_, pid)| *pid).collect();
+    (o.len(), pids.len())
+}
+
+/// Reads the run back, prints the checker's line and returns it.
+async fn report(test: &str, db: &TestDb, stream: &TestStream) -> Report {
+    let r = checker::check(db, stream).await;
+    eprintln!("{test}: {r}");
+    r
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. relays SIGKILLed at random points
+
+/// Relays SIGKILLed at random moments (while starting, claiming, publishing, between ack and
+/// mark) and restarted at once, while a writer commits.
+async fn relay_kills(test: &str, mode: Mode, size: Size) {
+    let _serial = SERIAL.lock().await;
+    let (db, stream, logs) = (TestDb::new(), TestStream::new(), Logs::new(test));
+    let mut rng = Rng::new(test);
+    let mut relays = Relays::start(&db, &stream, &logs, mode.relay_args(), 2);
+    let mut w = steady_writer(&db, &logs, size);
+    for k in 1..=size.faults {
+        next_fault(&db, size, k, &mut rng).await;
+        let i = rng.below(2) as usize;
+        relays.kill_and_restart(i);
+    }
+    let committed = finished(&mut w, size).await;
+    assert_eq!(committed, size.events);
+    drained(&db, size.timeout()).await;
+    drop(relays);
+    let r = report(test, &db, &stream).await;
+    assert_eq!(r.committed as u64, size.events, "{r}");
+    mode.assert(&r);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_killed_at_random_points_loses_and_duplicates_nothing_ordered() {
+    relay_kills("relay_kills_ordered", Mode::Ordered, SHORT).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_killed_at_random_points_loses_and_duplicates_nothing_unordered() {
+    relay_kills("relay_kills_unordered", Mode::Unordered, SHORT).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: 200,000 events, 50 kills"]
+async fn long_relay_killed_50_times_loses_and_duplicates_nothing_ordered() {
+    relay_kills("long_relay_kills_ordered", Mode::Ordered, LONG).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: 200,000 events, 50 kills"]
+async fn long_relay_killed_50_times_loses_and_duplicates_nothing_unordered() {
+    relay_kills("long_relay_kills_unordered", Mode::Unordered, LONG).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. writers SIGKILLed between their business write and their commit; failing writers
+
+/// Sessions of `name` that wrote (hold an xid) and wait before their commit.
+fn idle_in_transaction(db: &TestDb, name: &str) -> i64 {
+    db.scalar(&format!(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+         AND application_name = '{name}' AND state = 'idle in transaction' \
+         AND backend_xid IS NOT NULL"
+    ))
+}
+
+async fn writer_kills(test: &str, mode: Mode, size: Size) {
+    let _serial = SERIAL.lock().await;
+    let (db, stream, logs) = (TestDb::new(), TestStream::new(), Logs::new(test));
+    let mut rng = Rng::new(test);
+    let _relays = Relays::start(&db, &stream, &logs, mode.relay_args(), 2);
+    let mut steady = steady_writer(&db, &logs, size);
+    let mut killed_in_flight = 0;
+    for k in 1..=size.faults {
+        next_fault(&db, size, k, &mut rng).await;
+        let (name, seed) = (format!("paused-writer-{k}"), (k + 1).to_string());
+        let mut w = writer(
+            &db,
+            &logs,
+            &name,
+            &["--count", "1000", "--pause-ms", "200", "--seed", &seed],
+        );
+        // let it commit a few transactions first, sometimes
+        tokio::time::sleep(rng.between(Duration::ZERO, Duration::from_millis(500))).await;
+        wait_until(
+            Duration::from_secs(20),
+            "the writer between its business write and its commit",
+            || async { idle_in_transaction(&db, &name) == 1 },
+        )
+        .await;
+        w.kill();
+        killed_in_flight += 1;
+    }
+    let committed = finished(&mut steady, size).await;
+    assert_eq!(committed, size.events);
+
+    // every third transaction breaks a CHECK after recording its event, and rolls back
+    let doomed_count = (size.events / 10).max(300);
+    let mut doomed = writer(
+        &db,
+        &logs,
+        "failing-writer",
+        &[
+            "--count",
+            &doomed_count.to_string(),
+            "--fail-every",
+            "3",
+            "--threads",
+            "2",
+            "--async-commit",
+        ],
+    );
+    let (code, out) = exit_of(&mut doomed, size.timeout()).await;
+    assert_eq!(code, 0, "{out}");
+    let (_, rolled_back, failed) = writer_counts(&out);
+    assert!(
+        rolled_back >= doomed_count / 3,
+        "every third transaction rolls back: {out}"
+    );
+    assert_eq!(failed, 0, "{out}");
+
+    drained(&db, size.timeout()).await;
+    let r = report(test, &db, &stream).await;
+    eprintln!(
+        "{test}: {killed_in_flight} writers killed between write and commit, {rolled_back} transactions rolled back after recording"
+    );
+    mode.assert(&r);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writer_killed_before_commit_or_rolled_back_publishes_nothing_ordered() {
+    writer_kills("writer_kills_ordered", Mode::Ordered, SHORT).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writer_killed_before_commit_or_rolled_back_publishes_nothing_unordered() {
+    writer_kills("writer_kills_unordered", Mode::Unordered, SHORT).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: 200,000 events, 50 writer kills"]
+async fn long_writer_killed_50_times_before_commit_publishes_nothing_ordered() {
+    writer_kills("long_writer_kills_ordered", Mode::Ordered, LONG).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: 200,000 events, 50 writer kills"]
+async fn long_writer_killed_50_times_before_commit_publishes_nothing_unordered() {
+    writer_kills("long_writer_kills_unordered", Mode::Unordered, LONG).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. the NATS server down: started after the relays, restarted mid-run
+
+async fn nats_outages(test: &str, mode: Mode, size: Size, restarts: usize) {
+    let _serial = SERIAL.lock().await;
+    // a private server with a file store, not running yet: the relays start first
+    let mut nats = NatsServer::start();
+    nats.stop();
+    let (db, stream, logs) = (TestDb::new(), TestStream::on(&nats.url()), Logs::new(test));
+    let _relays = Relays::start(&db, &stream, &logs, mode.relay_args(), 2);
+    let mut w = steady_writer(&db, &logs, size);
+    wait_until(
+        Duration::from_secs(15),
+        "rows committed while NATS is down",
+        || async { db.scalar("SELECT count(*) FROM outbox") >= 200 },
+    )
+    .await;
+    assert_eq!(published(&db), 0, "nothing is marked while NATS is down");
+    nats.restart();
+
+    let step = size.events as i64 / (restarts as i64 + 2);
+    for r in 1..=restarts {
+        published_at_least(&db, step * r as i64, size.timeout()).await;
+        nats.stop(); // SIGKILL
+        let before = db.scalar("SELECT count(*) FROM outbox");
+        wait_until(
+            Duration::from_secs(15),
+            "rows committed while NATS is down",
+            || async { db.scalar("SELECT count(*) FROM outbox") >= before + 200 },
+        )
+        .await;
+        nats.restart();
+    }
+    let committed = finished(&mut w, size).await;
+    assert_eq!(committed, size.events);
+    drained(&db, size.timeout()).await;
+    let r = report(test, &db, &stream).await;
+    mode.assert(&r);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_started_late_and_restarted_mid_run_loses_nothing_ordered() {
+    nats_outages("nats_outages_ordered", Mode::Ordered, SHORT, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_started_late_and_restarted_mid_run_loses_nothing_unordered() {
+    nats_outages("nats_outages_unordered", Mode::Unordered, SHORT, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: 200,000 events, 10 NATS restarts"]
+async fn long_nats_restarted_10_times_loses_nothing_ordered() {
+    nats_outages("long_nats_outages_ordered", Mode::Ordered, LONG, 10).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: 200,000 events, 10 NATS restarts"]
+async fn long_nats_restarted_10_times_loses_nothing_unordered() {
+    nats_outages("long_nats_outages_unordered", Mode::Unordered, LONG, 10).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. PostgreSQL: the relays' sessions terminated; a private cluster restarted
+
+async fn sessions_terminated(test: &str, mode: Mode, size: Size) {
+    let _serial = SERIAL.lock().await;
+    let (db, stream, logs) = (TestDb::new(), TestStream::new(), Logs::new(test));
+    let mut rng = Rng::new(test);
+    let _relays = Relays::start(&db, &stream, &logs, mode.relay_args(), 2);
+    let mut w = steady_writer(&db, &logs, size);
+    let mut terminated = 0;
+    for k in 1..=size.faults {
+        next_fault(&db, size, k, &mut rng).await;
+        terminated += db.scalar(
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity \
+             WHERE datname = current_database() AND application_name = 'outbox-relay'",
+        );
+    }
+    assert!(
+        terminated >= size.faults as i64,
+        "terminated {terminated} sessions"
+    );
+    let committed = finished(&mut w, size).await;
+    assert_eq!(committed, size.events);
+    drained(&db, size.timeout()).await;
+    let r = report(test, &db, &stream).await;
+    eprintln!("{test}: {terminated} relay sessions terminated");
+    mode.assert(&r);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_sessions_terminated_lose_and_duplicate_nothing_ordered() {
+    sessions_terminated("sessions_terminated_ordered", Mode::Ordered, SHORT).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_sessions_terminated_lose_and_duplicate_nothing_unordered() {
+    sessions_terminated("sessions_terminated_unordered", Mode::Unordered, SHORT).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: 200,000 events, 50 terminations"]
+async fn long_relay_sessions_terminated_50_times_lose_nothing_ordered() {
+    sessions_terminated("long_sessions_terminated_ordered", Mode::Ordered, LONG).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: 200,000 events, 50 terminations"]
+async fn long_relay_sessions_terminated_50_times_lose_nothing_unordered() {
+    sessions_terminated("long_sessions_terminated_unordered", Mode::Unordered, LONG).await;
+}
+
+async fn postgres_restarts(test: &str, mode: Mode, size: Size, restarts: usize) {
+    let _serial = SERIAL.lock().await;
+    let mut cluster = PgCluster::start();
+    let (db, stream, logs) = (
+        TestDb::on(&cluster.base_url()),
+        TestStream::new(),
+        Logs::new(test),
+    );
+    let _relays = Relays::start(&db, &stream, &logs, mode.relay_args(), 2);
+    let mut w = steady_writer(&db, &logs, size);
+    let step = size.events as i64 / (restarts as i64 + 2);
+    for r in 1..=restarts {
+        published_at_least(&db, step * r as i64, size.timeout()).await;
+        cluster.restart(); // an immediate stop (a crash) and a start with recovery
+    }
+    let committed = finished(&mut w, size).await;
+    assert!(committed >= size.events, "{committed}");
+    drained(&db, size.timeout()).await;
+    let r = report(test, &db, &stream).await;
+    mode.assert(&r);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_restarted_mid_run_loses_and_duplicates_nothing_ordered() {
+    postgres_restarts("postgres_restarts_ordered", Mode::Ordered, SHORT, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_restarted_mid_run_loses_and_duplicates_nothing_unordered() {
+    postgres_restarts("postgres_restarts_unordered", Mode::Unordered, SHORT, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: 200,000 events, 10 PostgreSQL restarts"]
+async fn long_postgres_restarted_10_times_loses_nothing_ordered() {
+    postgres_restarts("long_postgres_restarts_ordered", Mode::Ordered, LONG, 10).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: 200,000 events, 10 PostgreSQL restarts"]
+async fn long_postgres_restarted_10_times_loses_nothing_unordered() {
+    postgres_restarts(
+        "long_postgres_restarts_unordered",
+        Mode::Unordered,
+        LONG,
+        10,
+    )
+    .await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// 5. a relay paused with SIGSTOP
+
+/// The lease the pause tests run with, and the bound they hold the relays to: the documented
+/// "within `--lease` plus a second" (the session timeout, then the survivor's next balance),
+/// plus the time to publish what waited, with two seconds to spare for a loaded machine.
+const LEASE: Duration = Duration::from_secs(3);
+const HANDOVER_BOUND: Duration = Duration::from_secs(6);
+
+async fn paused_relay(test: &str, mode: Mode, size: Size, pauses: usize) {
+    let _serial = SERIAL.lock().await;
+    let (db, stream, logs) = (TestDb::new(), TestStream::new(), Logs::new(test));
+    let mut rng = Rng::new(test);
+    let mut args = mode.relay_args();
+    args.extend(["--lease".to_string(), format!("{}s", LEASE.as_secs())]);
+    let relays = Relays::start(&db, &stream, &logs, args, 2);
+    let mut w = steady_writer(&db, &logs, size);
+    let mut handovers = Vec::new();
+    let size = Size {
+        faults: pauses,
+        ..size
+    };
+    for k in 1..=pauses {
+        if mode == Mode::Ordered {
+            wait_until(
+                Duration::from_secs(30),
+                "two relays sharing the four partitions",
+                || async { distinct_owners(&db) == (4, 2) },
+            )
+            .await;
+        }
+        next_fault(&db, size, k, &mut rng).await;
+        let i = rng.below(2) as usize;
+        // rows committed before the pause: the other relay must publish them while it lasts
+        let last = db.scalar("SELECT COALESCE(max(seq), 0) FROM outbox");
+        let stopped = Instant::now();
+        relays.procs[i].signal("STOP");
+        wait_until(
+            HANDOVER_BOUND * 2,
+            "the paused relay's work taken over",
+            || async {
+                let left = db.scalar(&format!(
+                    "SELECT count(*) FROM outbox WHERE seq <= {last} AND published_at IS NULL"
+                ));
+                left == 0 && (mode == Mode::Unordered || distinct_owners(&db) == (4, 1))
+            },
+        )
+        .await;
+        let handover = stopped.elapsed();
+        handovers.push(handover);
+        assert!(
+            handover <= HANDOVER_BOUND,
+            "the paused relay's work passed over after {handover:?}, beyond {HANDOVER_BOUND:?}"
+        );
+        // stay paused a little longer than the lease, then resume
+        tokio::time::sleep((LEASE + Duration::from_millis(500)).saturating_sub(stopped.elapsed()))
+            .await;
+        relays.procs[i].signal("CONT");
+        if mode == Mode::Ordered {
+            wait_until(
+                Duration::from_secs(30),
+                "the resumed relay back in the balance",
+                || async { distinct_owners(&db) == (4, 2) },
+            )
+            .await;
+        }
+    }
+    let committed = finished(&mut w, size).await;
+    assert_eq!(committed, size.events);
+    drained(&db, size.timeout()).await;
+    let r = report(test, &db, &stream).await;
+    eprintln!("{test}: handovers after {handovers:?} (lease {LEASE:?})");
+    mode.assert(&r);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paused_relay_hands_over_within_the_lease_and_resumes_without_duplicates_ordered() {
+    let size = Size {
+        events: 8_000,
+        ..SHORT
+    };
+    paused_relay("paused_relay_ordered", Mode::Ordered, size, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paused_relay_hands_over_within_the_lease_and_resumes_without_duplicates_unordered() {
+    let size = Size {
+        events: 8_000,
+        ..SHORT
+    };
+    paused_relay("paused_relay_unordered", Mode::Unordered, size, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: 200,000 events, 10 pauses"]
+async fn long_paused_relay_hands_over_10_times_without_duplicates_ordered() {
+    paused_relay("long_paused_relay_ordered", Mode::Ordered, LONG, 10).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: 200,000 events, 10 pauses"]
+async fn long_paused_relay_hands_over_10_times_without_duplicates_unordered() {
+    paused_relay("long_paused_relay_unordered", Mode::Unordered, LONG, 10).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// 6. the relay down longer than the duplicate window, after publishing and before marking
+
+diesel::table! {
+    consumer_effects (event_id) {
+        event_id -> Uuid,
+        applied -> Integer,
+    }
+}
+
+/// A consumer that applies each message in its own transaction, behind the inbox; returns
+/// (applied, skipped as already processed).
+async fn consume_with_inbox(db: &TestDb, stream: &TestStream, total: usize) -> (usize, usize) {
+    let js = stream.js().await;
+    let consumer = js
+        .get_stream(&stream.name)
+        .await
+        .expect("the stream")
+        .create_consumer(jetstream::consumer::pull::Config {
+            durable_name: Some("fault-consumer".into()),
+            ack_policy: jetstream::consumer::AckPolicy::Explicit,
+            ..Default::default()
+        })
+        .await
+        .expect("a durable consumer");
+    let mut messages = consumer.messages().await.expect("consume");
+    let mut conn = db.conn();
+    let (mut applied, mut skipped) = (0, 0);
+    for _ in 0..total {
+        let m = tokio::time::timeout(Duration::from_secs(30), messages.next())
+            .await
+            .expect("the next message in time")
+            .expect("a message")
+            .expect("no error");
+        let id = m
+            .headers
+            .as_ref()
+            .and_then(|h| h.get("Nats-Msg-Id"))
+            .map(|v| v.as_str().to_owned())
+            .expect("a message id");
+        let event_id: uuid::Uuid = id.parse().expect("a UUID message id");
+        let new = conn
+            .transaction(|c| {
+                if !c.mark_processed("fault-consumer", &id)? {
+                    return Ok::<_, diesel::result::Error>(false);
+                }
+                diesel::insert_into(consumer_effects::table)
+                    .values((
+                        consumer_effects::event_id.eq(event_id),
+                        consumer_effects::applied.eq(1),
+                    ))
+                    .on_conflict(consumer_effects::event_id)
+                    .do_update()
+                    .set(consumer_effects::applied.eq(consumer_effects::applied + 1))
+                    .execute(c)?;
+                Ok(true)
+            })
+            .expect("the consumer's transaction");
+        m.ack().await.expect("ack after commit");
+        if new {
+            applied += 1;
+        } else {
+            skipped += 1;
+        }
+    }
+    (applied, skipped)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_down_past_the_duplicate_window_republishes_and_the_inbox_applies_each_event_once() {
+    let _serial = SERIAL.lock().await;
+    let test = "past_duplicate_window";
+    let (db, stream, logs) = (TestDb::new(), TestStream::new(), Logs::new(test));
+    let window = Duration::from_secs(1);
+    stream
+        .js()
+        .await
+        .create_stream(jetstream::stream::Config {
+            name: stream.name.clone(),
+            subjects: vec![format!("{}.>", stream.prefix)],
+            duplicate_window: window,
+            ..Default::default()
+        })
+        .await
+        .expect("a stream with a 1 s duplicate window");
+    diesel::sql_query(
+        "CREATE TABLE consumer_effects (event_id uuid PRIMARY KEY, applied integer NOT NULL)",
+    )
+    .execute(&mut db.conn())
+    .expect("the consumer's table");
+
+    let mut relays = Relays::start(&db, &stream, &logs, Vec::new(), 1);
+    let size = Size {
+        events: 500,
+        rate: 0,
+        faults: 1,
+    };
+    let mut w = writer(
+        &db,
+        &logs,
+        "writer",
+        &["--count", "500", "--aggregates", "50", "--async-commit"],
+    );
+    assert_eq!(finished(&mut w, size).await, 500);
+    drained(&db, size.timeout()).await;
+
+    // the relay dies after JetStream acked its last batch and before it marked it
+    relays.procs[0].kill();
+    let unmarked = diesel::sql_query(
+        "UPDATE outbox SET published_at = NULL WHERE seq IN \
+         (SELECT seq FROM outbox ORDER BY seq DESC LIMIT 100)",
+    )
+    .execute(&mut db.conn())
+    .expect("unmark the last batch");
+    assert_eq!(unmarked, 100);
+    // and stays down longer than the duplicate window (the fault itself, not a synchronisation)
+    tokio::time::sleep(window * 2).await;
+    relays.kill_and_restart(0);
+    drained(&db, size.timeout()).await;
+    drop(relays);
+
+    let r = report(test, &db, &stream).await;
+    assert_eq!(
+        r.duplicates, 100,
+        "the re-published batch reaches the stream again, and the checker says so: {r}"
+    );
+    assert_eq!(
+        (r.missing, r.orphaned, r.order_violations, r.torn),
+        (0, 0, 0, 0),
+        "{r}"
+    );
+    assert_eq!(r.in_stream, 600, "{r}");
+
+    let (applied, skipped) = consume_with_inbox(&db, &stream, r.in_stream).await;
+    eprintln!("{test}: the inbox consumer applied {applied}, skipped {skipped} duplicates");
+    assert_eq!((applied, skipped), (500, 100));
+    assert_eq!(
+        db.scalar("SELECT max(applied) FROM consumer_effects"),
+        1,
+        "no event applied twice"
+    );
+    assert_eq!(db.scalar("SELECT count(*) FROM consumer_effects"), 500);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 7. bad input
+
+#[derive(Debug, Serialize, OutboxEvent)]
+#[outbox(aggregate_type = "account", event_type = "account.credited")]
+struct Credited {
+    #[outbox(aggregate_id)]
+    account: String,
+    amount: i64,
+}
+
+/// Commits `n` events, for the bad-input tests to show that nothing gets marked.
+fn seed_rows(db: &TestDb, n: i64) {
+    let mut conn = db.conn();
+    for i in 0..n {
+        conn.transaction(|c| {
+            c.record_event(&Credited {
+                account: format!("a{i}"),
+                amount: i,
+            })
+        })
+        .expect("record");
+    }
+}
+
+/// `outbox-relay run` with exactly `args` (no test defaults, so that any flag can be given
+/// wrong), against `db_url`, `nats_url` and `stream` (set through the environment).
+fn relay_run(db_url: &str, nats_url: &str, stream: &TestStream, args: &[&str]) -> Command {
+    let mut cmd = Command::new(relay_bin());
+    cmd.arg("run")
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("NO_COLOR", "1")
+        .env("RUST_LOG", "info")
+        .env("DATABASE_URL", db_url)
+        .env("NATS_URL", nats_url)
+        .env("OUTBOX_STREAM", &stream.name)
+        .env("OUTBOX_SUBJECT_PREFIX", &stream.prefix)
+        .args(args);
+    cmd
+}
+
+/// Runs `cmd` to its exit (within 15 s); returns its exit code and stderr.
+async fn run_to_exit(cmd: &mut Command) -> (i32, String) {
+    let mut p = Proc::spawn(
+        "outbox-relay",
+        cmd.stdout(Stdio::null()).stderr(Stdio::piped()),
+    );
+    let mut stderr = p.child.stderr.take().expect("stderr");
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    let (code, _) = exit_of(&mut p, Duration::from_secs(15)).await;
+    (code, reader.join().unwrap_or_default())
+}
+
+/// Asserts that a refused start left every row unpublished and the stream without messages.
+async fn nothing_marked(db: &TestDb, stream: &TestStream, rows: i64) {
+    assert_eq!(published(db), 0, "a refused relay marked rows");
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL"),
+        rows
+    );
+    assert_eq!(stream.count().await, 0, "a refused relay published");
+}
+
+#[tokio::test]
+async fn malformed_configuration_is_refused_with_a_clear_error_and_marks_nothing() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    seed_rows(&db, 5);
+    let nats = stream.nats_url.clone();
+    let cases: &[(&[&str], &str)] = &[
+        (&["--lease", "soon"], "--lease"),
+        (&["--poll-interval", "10 parsecs"], "--poll-interval"),
+        (&["--partitions", "0"], "--partitions 0 is out of range"),
+        (&["--partitions", "many"], "--partitions"),
+        (&["--workers", "0", "--mode", "unordered"], "--workers 0"),
+        (&["--mode", "sideways"], "--mode"),
+        (&["--subject-prefix", "a.b"], "subject prefix \"a.b\""),
+        (&["--subject-prefix", "a>"], "subject prefix \"a>\""),
+        (&["--stream", "no.dots"], "stream name"),
+        (
+            &["--lease", "1s"],
+            "--lease 1s must be at least three times",
+        ),
+    ];
+    for (args, expected) in cases {
+        let mut cmd = relay_run(&db.url, &nats, &stream, args);
+        let (code, stderr) = run_to_exit(&mut cmd).await;
+        assert_ne!(code, 0, "{args:?} was accepted: {stderr}");
+        assert!(
+            stderr.contains(expected),
+            "{args:?}: the error should mention {expected:?}: {stderr}"
+        );
+        assert!(
+            stderr.lines().count() <= 8,
+            "{args:?}: a short message: {stderr}"
+        );
+    }
+    nothing_marked(&db, &stream, 5).await;
+}
+
+#[tokio::test]
+async fn a_missing_outbox_table_is_a_clear_startup_error() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    seed_rows(&db, 3);
+    let mut cmd = relay_run(
+        &db.url,
+        &stream.nats_url,
+        &stream,
+        &["--table", "billing.outbox", "--startup-timeout", "5s"],
+    );
+    let (code, stderr) = run_to_exit(&mut cmd).await;
+    assert_eq!(code, 1, "{stderr}");
+    assert!(
+        stderr.contains("the outbox table billing.outbox does not exist"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("migrations"),
+        "it says how to fix it: {stderr}"
+    );
+    nothing_marked(&db, &stream, 3).await;
+}
+
+#[tokio::test]
+async fn a_stream_that_does_not_capture_the_subjects_is_a_clear_startup_error_and_marks_nothing() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    seed_rows(&db, 3);
+    stream
+        .js()
+        .await
+        .create_stream(jetstream::stream::Config {
+            name: stream.name.clone(),
+            subjects: vec![format!("{}-other.>", stream.prefix)],
+            ..Default::default()
+        })
+        .await
+        .expect("a stream on other subjects");
+    let mut cmd = relay_run(
+        &db.url,
+        &stream.nats_url,
+        &stream,
+        &["--startup-timeout", "5s"],
+    );
+    let (code, stderr) = run_to_exit(&mut cmd).await;
+    assert_eq!(code, 1, "{stderr}");
+    assert!(
+        stderr.contains(&stream.name) && stderr.contains(&format!("{}.", stream.prefix)),
+        "the error names the stream and the subjects: {stderr}"
+    );
+    nothing_marked(&db, &stream, 3).await;
+}
+
+#[test]
+fn an_empty_aggregate_id_is_refused_at_record_time_and_by_the_tables_check() {
+    let db = TestDb::new();
+    let mut conn = db.conn();
+    let refused = conn.transaction(|c| {
+        c.record_event(&Credited {
+            account: String::new(),
+            amount: 1,
+        })
+    });
+    let e = refused.expect_err("an empty aggregate id is refused");
+    assert!(
+        e.to_string().contains("aggregate id is empty"),
+        "a clear error: {e}"
+    );
+
+    // a row written around the library meets the table's CHECK
+    let raw = diesel::sql_query(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         VALUES (gen_random_uuid(), 'account', '', 'account.credited', '{}')",
+    )
+    .execute(&mut conn);
+    match raw {
+        Err(diesel::result::Error::DatabaseError(kind, info)) => {
+            assert!(
+                matches!(kind, diesel::result::DatabaseErrorKind::CheckViolation),
+                "{kind:?}: {}",
+                info.message()
+            );
+            assert_eq!(
+                info.constraint_name(),
+                Some("outbox_aggregate_id_is_a_header_value"),
+                "{}",
+                info.message()
+            );
+        }
+        other => panic!("the CHECK should refuse an empty aggregate id: {other:?}"),
+    }
+    assert_eq!(db.scalar("SELECT count(*) FROM outbox"), 0);
+}
+
+#[tokio::test]
+async fn an_unreachable_database_or_nats_is_a_clear_error_after_the_startup_timeout() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    seed_rows(&db, 3);
+    let nowhere = support::free_port();
+
+    let dead_db = format!("postgres://postgres@127.0.0.1:{nowhere}/outbox");
+    let mut cmd = relay_run(
+        &dead_db,
+        &stream.nats_url,
+        &stream,
+        &["--startup-timeout", "1s"],
+    );
+    let started = Instant::now();
+    let (code, stderr) = run_to_exit(&mut cmd).await;
+    assert_eq!(code, 1, "{stderr}");
+    assert!(
+        stderr.contains("cannot connect to PostgreSQL within 1s"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("--database-url"), "{stderr}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "gave up in time"
+    );
+
+    let dead_nats = format!("nats://127.0.0.1:{nowhere}");
+    let mut cmd = relay_run(&db.url, &dead_nats, &stream, &["--startup-timeout", "1s"]);
+    let (code, stderr) = run_to_exit(&mut cmd).await;
+    assert_eq!(code, 1, "{stderr}");
+    assert!(
+        stderr.contains("cannot connect to NATS") && stderr.contains("--nats-url"),
+        "{stderr}"
+    );
+    nothing_marked(&db, &stream, 3).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// the checker itself
+
+fn db_event(seq: i64, id: u128, aggregate: &str) -> DbEvent {
+    DbEvent {
+        seq: Some(seq),
+        id: uuid::Uuid::from_u128(id),
+        aggregate: aggregate.into(),
+        in_outbox: true,
+        in_business: true,
+        marked: true,
+    }
+}
+
+fn stream_message(n: u64, id: u128, aggregate: &str) -> StreamMessage {
+    StreamMessage {
+        stream_seq: n,
+        msg_id: uuid::Uuid::from_u128(id).to_string(),
+        aggregate: aggregate.into(),
+        created_nanos: Some(0),
+        stored_nanos: n as i128 * 1_000_000,
+    }
+}
+
+#[test]
+fn the_checker_counts_each_kind_of_fault() {
+    let mut half = db_event(5, 5, "a/2");
+    half.in_business = false;
+    let events = [
+        db_event(1, 1, "a/1"),
+        db_event(2, 2, "a/1"),
+        db_event(3, 3, "a/2"),
+        db_event(4, 4, "a/1"),
+        half,
+    ];
+    let messages = [
+        stream_message(1, 2, "a/1"),
+        stream_message(2, 1, "a/1"), // after seq 2 of its aggregate
+        stream_message(3, 2, "a/1"), // a duplicate
+        stream_message(4, 9, "a/1"), // never committed
+        stream_message(5, 3, "a/2"),
+    ];
+    let r = checker::compare(&events, &messages);
+    assert_eq!(
+        (
+            r.committed,
+            r.torn,
+            r.in_stream,
+            r.missing,
+            r.orphaned,
+            r.duplicates,
+            r.order_violations
+        ),
+        (4, 1, 5, 1, 1, 1, 1),
+        "{r}"
+    );
+    assert_eq!(r.marked_not_in_stream, 2, "seq 4 and the torn seq 5: {r}");
+    assert_eq!(r.max_wait, Duration::from_millis(5));
+}

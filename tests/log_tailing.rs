@@ -1,0 +1,827 @@
+//! The `log-tailing` relay: events read from the WAL through a logical replication slot, in
+//! commit order, confirmed only after JetStream's ack. Relays run as real `outbox-relay`
+//! processes; each test has its own database, stream and (cluster-wide unique) slot.
+
+mod support;
+
+use std::collections::{HashMap, HashSet};
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use diesel::prelude::*;
+use outbox_diesel::{Outbox, OutboxEvent, OutboxExt};
+use serde::Serialize;
+use support::{Proc, TestDb, TestStream, relay_bin, relay_command, wait_until};
+
+#[derive(Debug, Clone, Serialize, OutboxEvent)]
+#[outbox(aggregate_type = "account", event_type = "account.changed")]
+struct Changed {
+    #[outbox(aggregate_id)]
+    account: String,
+    n: i64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    blob: Option<String>,
+}
+
+fn changed(account: &str, n: i64) -> Changed {
+    Changed {
+        account: account.into(),
+        n,
+        blob: None,
+    }
+}
+
+/// The test's slot: created by the relay, dropped on `Drop` before the database is (a
+/// database with a logical slot cannot be dropped). Declare it after the `TestDb` and before
+/// the relays, so that it drops after the relays and before the database.
+struct Slot {
+    name: String,
+    admin_url: String,
+}
+
+impl Slot {
+    fn new(db: &TestDb) -> Self {
+        let admin_url = format!("{}/postgres", support::pg_base());
+        drop_stale_slots(&admin_url);
+        Slot {
+            // slot names are cluster-wide: take the database's unique suffix
+            name: format!("lt_{}", db.name.trim_start_matches("outbox_t_")),
+            admin_url,
+        }
+    }
+
+    fn exists(&self, db: &TestDb) -> bool {
+        db.scalar(&format!(
+            "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{}'",
+            self.name
+        )) == 1
+    }
+
+    /// The backend pid of the relay session that holds the reader's lock, if any.
+    fn reader(&self, db: &TestDb) -> Option<i64> {
+        let pid = db.scalar(&format!(
+            "SELECT COALESCE((SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted \
+             AND objsubid = 2 AND classid = {} AND objid = hashtext('{}')::oid \
+             AND database = (SELECT oid FROM pg_database WHERE datname = current_database())), 0)",
+            outbox_diesel::wal::SLOT_LOCK_KEY,
+            self.name
+        ));
+        (pid != 0).then_some(pid)
+    }
+
+    fn confirmed(&self, db: &TestDb) -> i64 {
+        db.scalar(&format!(
+            "SELECT (confirmed_flush_lsn - '0/0'::pg_lsn)::bigint FROM pg_replication_slots \
+             WHERE slot_name = '{}'",
+            self.name
+        ))
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        drop_slot(&self.admin_url, &self.name);
+    }
+}
+
+fn drop_slot(admin_url: &str, slot: &str) {
+    let Ok(mut admin) = PgConnection::establish(admin_url) else {
+        return;
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        // a killed relay's backend may still hold the slot for a moment
+        let _ = diesel::sql_query(format!(
+            "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots \
+             WHERE slot_name = '{slot}' AND active_pid IS NOT NULL"
+        ))
+        .execute(&mut admin);
+        let dropped = diesel::sql_query(format!(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
+             WHERE slot_name = '{slot}'"
+        ))
+        .execute(&mut admin);
+        if dropped.is_ok() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Slots (and their databases) left by test runs that were killed before their guards ran:
+/// the test slots' names hold a UUIDv7, whose first 48 bits are its creation time.
+fn drop_stale_slots(admin_url: &str) {
+    #[derive(QueryableByName)]
+    struct S {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        slot_name: String,
+    }
+    let Ok(mut admin) = PgConnection::establish(admin_url) else {
+        return;
+    };
+    let Ok(slots) = diesel::sql_query(
+        "SELECT slot_name::text AS slot_name FROM pg_replication_slots \
+         WHERE slot_name LIKE 'lt\\_%' AND NOT active",
+    )
+    .load::<S>(&mut admin) else {
+        return;
+    };
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0);
+    for s in slots {
+        let suffix = s.slot_name.trim_start_matches("lt_");
+        let Some(created_ms) = suffix
+            .get(..12)
+            .and_then(|h| u64::from_str_radix(h, 16).ok())
+        else {
+            continue;
+        };
+        if now_ms.saturating_sub(created_ms) > 60 * 60 * 1000 {
+            drop_slot(admin_url, &s.slot_name);
+            let _ = diesel::sql_query(format!(
+                "DROP DATABASE IF EXISTS outbox_t_{suffix} WITH (FORCE)"
+            ))
+            .execute(&mut admin);
+        }
+    }
+}
+
+fn relay(name: &str, db: &TestDb, stream: &TestStream, slot: &Slot, args: &[&str]) -> Proc {
+    let mut all = vec!["--mode", "log-tailing", "--slot", &slot.name];
+    all.extend_from_slice(args);
+    Proc::spawn(name, &mut relay_command(db, stream, &all))
+}
+
+/// Waits until the relay made the slot and one relay reads it: events recorded from then on
+/// are captured.
+async fn wait_reader(db: &TestDb, slot: &Slot) -> i64 {
+    wait_until(
+        Duration::from_secs(30),
+        "a relay reading the slot",
+        || async { slot.exists(db) && slot.reader(db).is_some() },
+    )
+    .await;
+    slot.reader(db).unwrap_or_default()
+}
+
+async fn wait_count(stream: &TestStream, n: u64, timeout: Duration) {
+    wait_until(timeout, &format!("{n} messages in the stream"), || async {
+        stream.count().await >= n
+    })
+    .await;
+}
+
+/// Message ids per aggregate, in stream order.
+fn by_aggregate(msgs: &[support::Received]) -> HashMap<String, Vec<String>> {
+    let mut out: HashMap<String, Vec<String>> = HashMap::new();
+    for m in msgs {
+        out.entry(m.aggregate_id.clone())
+            .or_default()
+            .push(m.msg_id.clone());
+    }
+    out
+}
+
+/// Every message once, and per aggregate in `expected` order.
+fn assert_exactly_once_in_order(
+    got: &[support::Received],
+    expected: &HashMap<String, Vec<String>>,
+) {
+    let total: usize = expected.values().map(Vec::len).sum();
+    let ids: HashSet<&str> = got.iter().map(|m| m.msg_id.as_str()).collect();
+    assert_eq!(ids.len(), total, "every event is in the stream");
+    assert_eq!(got.len(), total, "and only once");
+    let seen = by_aggregate(got);
+    assert_eq!(seen.len(), expected.len());
+    for (agg, order) in expected {
+        assert_eq!(seen.get(agg), Some(order), "commit order of {agg}");
+    }
+}
+
+/// Commits per-aggregate order: what each writer committed, by aggregate, in commit order.
+type Ledger = Arc<Mutex<HashMap<String, Vec<String>>>>;
+
+/// `writers` threads commit `per_writer` transactions of `batch` events each. Each aggregate
+/// belongs to one writer, so its commit order is the writer's order, which the ledger keeps.
+fn start_writers(
+    db: &TestDb,
+    outbox: &Outbox,
+    writers: usize,
+    per_writer: usize,
+    batch: usize,
+    ledger: &Ledger,
+) -> Vec<std::thread::JoinHandle<()>> {
+    start_writers_from(db, outbox, 0, writers, per_writer, batch, ledger)
+}
+
+#[tokio::test]
+async fn interleaved_transactions_arrive_in_commit_order_not_seq_order() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let slot = Slot::new(&db);
+    let _relay = relay("relay", &db, &stream, &slot, &[]);
+    wait_reader(&db, &slot).await;
+
+    // T1 records a1, a2 (lower seqs); T2 records a3 and commits first; T1 commits after
+    let (mut c1, mut c2) = (db.conn(), db.conn());
+    let mut t2_id = None;
+    let t1_ids = c1
+        .transaction(|c1| {
+            let ids = c1.record_events(&[changed("A", 1), changed("A", 2)])?;
+            t2_id = Some(c2.transaction(|c2| c2.record_event(&changed("A", 3)))?);
+            Ok::<_, diesel::result::Error>(ids)
+        })
+        .expect("t1");
+    let t2_id = t2_id.expect("t2");
+    // a third transaction, after both
+    let t3_id = db
+        .conn()
+        .transaction(|c| c.record_event(&changed("A", 4)))
+        .expect("t3");
+    let seq = |id: &uuid::Uuid| db.scalar(&format!("SELECT seq FROM outbox WHERE id = '{id}'"));
+    assert!(seq(&t1_ids[0]) < seq(&t2_id), "T1 inserted first");
+
+    wait_count(&stream, 4, Duration::from_secs(30)).await;
+    let got: Vec<String> = stream
+        .read_all()
+        .await
+        .into_iter()
+        .map(|m| m.msg_id)
+        .collect();
+    let commit_order = [t2_id, t1_ids[0], t1_ids[1], t3_id].map(|id| id.to_string());
+    assert_eq!(got, commit_order, "commit order, not seq order");
+}
+
+#[tokio::test]
+async fn toast_sized_payloads_arrive_whole() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let slot = Slot::new(&db);
+    let _relay = relay("relay", &db, &stream, &slot, &[]);
+    wait_reader(&db, &slot).await;
+
+    // random text does not compress, so PostgreSQL stores it out of line (TOAST)
+    let mut state = 0x2545_f491_4f6c_dd1d_u64;
+    let mut noise = |bytes: usize| -> String {
+        (0..bytes)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                char::from(b"0123456789abcdefghijklmnopqrstuv"[(state % 32) as usize])
+            })
+            .collect()
+    };
+    let sizes = [2_100, 9_000, 120_000, 700_000];
+    let events: Vec<Changed> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| Changed {
+            account: "T".into(),
+            n: i as i64,
+            blob: Some(noise(n)),
+        })
+        .collect();
+    let mut conn = db.conn();
+    conn.transaction(|c| c.record_events(&events[..2]))
+        .expect("two in one transaction");
+    conn.transaction(|c| c.record_event(&events[2]))
+        .expect("one");
+    conn.transaction(|c| c.record_event(&events[3]))
+        .expect("one");
+    assert!(
+        db.scalar(
+            "SELECT pg_total_relation_size(reltoastrelid) FROM pg_class WHERE relname = 'outbox'"
+        ) > 100_000,
+        "the payloads are TOASTed"
+    );
+
+    wait_count(&stream, 4, Duration::from_secs(30)).await;
+    let got = stream.read_all().await;
+    assert_eq!(got.len(), 4);
+    for (m, e) in got.iter().zip(&events) {
+        assert_eq!(m.payload["n"], e.n);
+        assert_eq!(
+            m.payload["blob"].as_str(),
+            e.blob.as_deref(),
+            "payload {} whole",
+            e.n
+        );
+    }
+}
+
+#[tokio::test]
+async fn many_events_in_one_transaction_arrive_whole_and_in_order() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let slot = Slot::new(&db);
+    // a transaction larger than the batch size is read whole
+    let _relay = relay("relay", &db, &stream, &slot, &["--batch-size", "200"]);
+    wait_reader(&db, &slot).await;
+
+    let events: Vec<Changed> = (0..5_000)
+        .map(|n| changed(&format!("acct-{}", n % 10), n))
+        .collect();
+    let ids = db
+        .conn()
+        .transaction(|c| c.record_events(&events))
+        .expect("one transaction");
+    wait_count(&stream, 5_000, Duration::from_secs(180)).await;
+    let mut expected: HashMap<String, Vec<String>> = HashMap::new();
+    for (e, id) in events.iter().zip(&ids) {
+        expected
+            .entry(e.account.clone())
+            .or_default()
+            .push(id.to_string());
+    }
+    assert_exactly_once_in_order(&stream.read_all().await, &expected);
+}
+
+#[tokio::test]
+async fn many_small_transactions_arrive_exactly_once_in_commit_order() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let slot = Slot::new(&db);
+    let _relay = relay("relay", &db, &stream, &slot, &[]);
+    wait_reader(&db, &slot).await;
+
+    let ledger = Ledger::default();
+    for w in start_writers(&db, &Outbox::default(), 4, 750, 1, &ledger) {
+        w.join().expect("writer");
+    }
+    wait_count(&stream, 3_000, Duration::from_secs(180)).await;
+    let expected = ledger.lock().expect("ledger").clone();
+    assert_exactly_once_in_order(&stream.read_all().await, &expected);
+}
+
+#[tokio::test]
+async fn rolled_back_transaction_publishes_nothing() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let slot = Slot::new(&db);
+    let _relay = relay("relay", &db, &stream, &slot, &[]);
+    wait_reader(&db, &slot).await;
+
+    let mut conn = db.conn();
+    let rolled_back = conn.transaction(|c| {
+        c.record_events(&[changed("R", 1), changed("R", 2)])?;
+        Err::<(), _>(diesel::result::Error::RollbackTransaction)
+    });
+    assert!(rolled_back.is_err());
+    // a savepoint rolled back inside a committed transaction publishes nothing either
+    let kept = conn
+        .transaction(|c| {
+            let inner = c.transaction(|c| {
+                c.record_event(&changed("R", 3))?;
+                Err::<(), _>(diesel::result::Error::RollbackTransaction)
+            });
+            assert!(inner.is_err());
+            c.record_event(&changed("K", 1))
+        })
+        .expect("commit");
+
+    wait_count(&stream, 1, Duration::from_secs(30)).await;
+    // give a wrongly published event time to show up
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let got = stream.read_all().await;
+    assert_eq!(got.len(), 1, "only the committed event: {got:?}");
+    assert_eq!(got[0].msg_id, kept.to_string());
+}
+
+#[tokio::test]
+async fn insert_then_delete_leaves_the_table_empty_and_delivers_every_event() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let slot = Slot::new(&db);
+    let _relay = relay("relay", &db, &stream, &slot, &[]);
+    wait_reader(&db, &slot).await;
+
+    let outbox = Outbox::default().delete_after_insert(true);
+    let ledger = Ledger::default();
+    for w in start_writers(&db, &outbox, 2, 250, 3, &ledger) {
+        w.join().expect("writer");
+    }
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM outbox"),
+        0,
+        "the table stays empty"
+    );
+    wait_count(&stream, 1_500, Duration::from_secs(180)).await;
+    let expected = ledger.lock().expect("ledger").clone();
+    assert_exactly_once_in_order(&stream.read_all().await, &expected);
+    assert_eq!(db.scalar("SELECT count(*) FROM outbox"), 0);
+}
+
+#[tokio::test]
+async fn captured_rows_are_deleted_on_schedule_without_losing_events() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let slot = Slot::new(&db);
+    let _relay = relay(
+        "relay",
+        &db,
+        &stream,
+        &slot,
+        &[
+            "--captured-retention",
+            "0s",
+            "--captured-cleanup-interval",
+            "200ms",
+        ],
+    );
+    wait_reader(&db, &slot).await;
+    let ledger = Ledger::default();
+    for w in start_writers(&db, &Outbox::default(), 2, 100, 2, &ledger) {
+        w.join().expect("writer");
+    }
+    wait_count(&stream, 400, Duration::from_secs(30)).await;
+    wait_until(Duration::from_secs(30), "captured rows deleted", || async {
+        db.scalar("SELECT count(*) FROM outbox") == 0
+    })
+    .await;
+    let expected = ledger.lock().expect("ledger").clone();
+    assert_exactly_once_in_order(&stream.read_all().await, &expected);
+}
+
+#[tokio::test]
+async fn relay_killed_between_publish_and_slot_advance_repeats_but_never_skips() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let slot = Slot::new(&db);
+    let args = ["--batch-size", "100000", "--max-in-flight", "64"];
+    let mut relay1 = relay("relay-1", &db, &stream, &slot, &args);
+    wait_reader(&db, &slot).await;
+    let before = slot.confirmed(&db);
+
+    // one transaction of 8,000 events: the slot can only move past it once all are acked
+    let events: Vec<Changed> = (0..8_000)
+        .map(|n| changed(&format!("acct-{}", n % 50), n))
+        .collect();
+    let ids = db
+        .conn()
+        .transaction(|c| c.record_events(&events))
+        .expect("commit");
+    let commit_end = db.scalar("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint");
+    wait_count(&stream, 1, Duration::from_secs(30)).await;
+    relay1.kill(); // kill -9: published in part, not confirmed
+    let published = stream.count().await;
+    assert!(
+        published > 0 && published < 8_000,
+        "killed mid-transaction ({published} published)"
+    );
+    assert!(
+        slot.confirmed(&db) < commit_end,
+        "the slot did not move past an unacked transaction"
+    );
+    assert!(slot.confirmed(&db) >= before);
+
+    let _relay2 = relay("relay-2", &db, &stream, &slot, &args);
+    wait_count(&stream, 8_000, Duration::from_secs(240)).await;
+    wait_until(
+        Duration::from_secs(30),
+        "the slot confirmed past the transaction",
+        || async { slot.confirmed(&db) >= commit_end },
+    )
+    .await;
+    let mut expected: HashMap<String, Vec<String>> = HashMap::new();
+    for (e, id) in events.iter().zip(&ids) {
+        expected
+            .entry(e.account.clone())
+            .or_default()
+            .push(id.to_string());
+    }
+    assert_exactly_once_in_order(&stream.read_all().await, &expected);
+}
+
+#[tokio::test]
+async fn standby_takes_over_when_the_active_reader_dies() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let slot = Slot::new(&db);
+    let mut a = relay("relay-a", &db, &stream, &slot, &[]);
+    let reader_a = wait_reader(&db, &slot).await;
+    let _b = relay("relay-b", &db, &stream, &slot, &[]);
+    // b connects and stands by: a keeps the slot
+    wait_until(Duration::from_secs(30), "relay b connected", || async {
+        db.scalar("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'outbox-relay' AND datname = current_database()") >= 2
+    })
+    .await;
+    assert_eq!(slot.reader(&db), Some(reader_a));
+
+    let mut conn = db.conn();
+    let mut expected: Vec<String> = Vec::new();
+    for n in 0..50 {
+        expected.push(
+            conn.transaction(|c| c.record_event(&changed("S", n)))
+                .expect("commit")
+                .to_string(),
+        );
+    }
+    wait_count(&stream, 50, Duration::from_secs(30)).await;
+
+    a.kill();
+    for n in 50..100 {
+        expected.push(
+            conn.transaction(|c| c.record_event(&changed("S", n)))
+                .expect("commit")
+                .to_string(),
+        );
+    }
+    wait_count(&stream, 100, Duration::from_secs(30)).await;
+    let reader_b = slot.reader(&db).expect("b reads the slot");
+    assert_ne!(reader_b, reader_a, "the standby took over");
+    let got: Vec<String> = stream
+        .read_all()
+        .await
+        .into_iter()
+        .map(|m| m.msg_id)
+        .collect();
+    assert_eq!(got, expected, "every event once, in commit order");
+}
+
+#[tokio::test]
+async fn a_paused_reader_is_replaced_and_does_not_publish_after_it_wakes() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let slot = Slot::new(&db);
+    let args = ["--lease", "3s"];
+    let a = relay("relay-a", &db, &stream, &slot, &args);
+    let reader_a = wait_reader(&db, &slot).await;
+    let _b = relay("relay-b", &db, &stream, &slot, &args);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    a.signal("STOP");
+    let mut conn = db.conn();
+    let mut expected = Vec::new();
+    for n in 0..20 {
+        expected.push(
+            conn.transaction(|c| c.record_event(&changed("P", n)))
+                .expect("commit")
+                .to_string(),
+        );
+    }
+    // PostgreSQL ends a's silent session after the lease; b takes the slot
+    wait_count(&stream, 20, Duration::from_secs(30)).await;
+    let reader_b = slot.reader(&db).expect("b reads");
+    assert_ne!(reader_b, reader_a);
+
+    a.signal("CONT");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    for n in 20..40 {
+        expected.push(
+            conn.transaction(|c| c.record_event(&changed("P", n)))
+                .expect("commit")
+                .to_string(),
+        );
+    }
+    wait_count(&stream, 40, Duration::from_secs(30)).await;
+    assert_eq!(
+        slot.reader(&db),
+        Some(reader_b),
+        "b keeps the slot after a wakes"
+    );
+    let got: Vec<String> = stream
+        .read_all()
+        .await
+        .into_iter()
+        .map(|m| m.msg_id)
+        .collect();
+    assert_eq!(got, expected);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_kills_during_twenty_thousand_events_deliver_each_exactly_once_in_commit_order() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let slot = Slot::new(&db);
+    let args = ["--batch-size", "2000"];
+    let mut current = relay("relay-0", &db, &stream, &slot, &args);
+    wait_reader(&db, &slot).await;
+
+    // 4 writers x 1,250 transactions x 4 events; half of them delete right after inserting
+    let ledger = Ledger::default();
+    let mut writers = start_writers(&db, &Outbox::default(), 2, 1_250, 4, &ledger);
+    writers.extend(start_writers_from(
+        &db,
+        &Outbox::default().delete_after_insert(true),
+        2,
+        2,
+        1_250,
+        4,
+        &ledger,
+    ));
+    let start = Instant::now();
+    let mut kills = 0;
+    for k in 1..=10u64 {
+        wait_count(&stream, k * 1_800, Duration::from_secs(120)).await;
+        current.kill();
+        kills += 1;
+        current = relay(&format!("relay-{k}"), &db, &stream, &slot, &args);
+    }
+    for w in writers {
+        w.join().expect("writer");
+    }
+    wait_count(&stream, 20_000, Duration::from_secs(180)).await;
+    eprintln!(
+        "{kills} kills, 20,000 events in {:.1}s",
+        start.elapsed().as_secs_f64()
+    );
+    drop(current);
+    let expected = ledger.lock().expect("ledger").clone();
+    assert_exactly_once_in_order(&stream.read_all().await, &expected);
+}
+
+/// [`start_writers`] with writer numbers from `first`, so that aggregates stay apart.
+fn start_writers_from(
+    db: &TestDb,
+    outbox: &Outbox,
+    first: usize,
+    writers: usize,
+    per_writer: usize,
+    batch: usize,
+    ledger: &Ledger,
+) -> Vec<std::thread::JoinHandle<()>> {
+    (first..first + writers)
+        .map(|w| {
+            let (url, outbox, ledger) = (db.url.clone(), outbox.clone(), ledger.clone());
+            std::thread::spawn(move || {
+                let mut conn = PgConnection::establish(&url).expect("connect");
+                for i in 0..per_writer {
+                    let agg = format!("acct-{w}-{}", i % 13);
+                    let events: Vec<Changed> = (0..batch)
+                        .map(|k| changed(&agg, (i * batch + k) as i64))
+                        .collect();
+                    let ids = conn
+                        .transaction(|c| c.record_events_with(&outbox, &events))
+                        .expect("commit");
+                    let mut l = ledger.lock().expect("ledger");
+                    l.entry(agg)
+                        .or_default()
+                        .extend(ids.iter().map(|id| id.to_string()));
+                }
+            })
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn status_reports_the_slot_lag_and_its_reader() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let slot = Slot::new(&db);
+    let relay_proc = relay("relay", &db, &stream, &slot, &[]);
+    let reader = wait_reader(&db, &slot).await;
+    db.conn()
+        .transaction(|c| c.record_event(&changed("X", 1)))
+        .expect("commit");
+    wait_count(&stream, 1, Duration::from_secs(30)).await;
+
+    let status = |extra: &[&str]| {
+        let out = Command::new(relay_bin())
+            .env("DATABASE_URL", &db.url)
+            .args(["status", "--mode", "log-tailing", "--slot", &slot.name])
+            .args(extra)
+            .output()
+            .expect("run outbox-relay status");
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    };
+    let (code, out) = status(&["--json"]);
+    assert_eq!(code, 0, "{out}");
+    let json: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(json["slot"]["slot"], slot.name.as_str());
+    assert!(json["slot"]["lag_bytes"].as_i64().is_some(), "{out}");
+    assert_eq!(json["slot"]["reader_pid"].as_i64(), Some(reader), "{out}");
+    assert_eq!(json["stalled"], false);
+    let (code, out) = status(&[]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("slot lag"), "{out}");
+
+    // no reader: events wait in the slot, and status says it stalls
+    drop(relay_proc);
+    db.conn()
+        .transaction(|c| c.record_event(&changed("X", 2)))
+        .expect("commit");
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let (code, out) = status(&["--json", "--stall-after", "1s"]);
+    let json: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        json["slot"]["lag_seconds"]
+            .as_f64()
+            .is_some_and(|s| s >= 1.0),
+        "{out}"
+    );
+    assert_eq!(json["slot"]["reader_pid"], serde_json::Value::Null, "{out}");
+}
+
+#[tokio::test]
+async fn a_role_without_replication_gets_a_clear_error() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let slot = Slot::new(&db);
+    let role = format!("lt_role_{}", &slot.name[3..15]);
+    let mut conn = db.conn();
+    diesel::sql_query(format!("CREATE ROLE {role} LOGIN"))
+        .execute(&mut conn)
+        .expect("role");
+    diesel::sql_query(format!(
+        "GRANT SELECT, INSERT, UPDATE, DELETE ON outbox TO {role}"
+    ))
+    .execute(&mut conn)
+    .expect("grant");
+    diesel::sql_query("CREATE PUBLICATION lt_pub FOR TABLE outbox")
+        .execute(&mut conn)
+        .expect("publication");
+    let url = db.url.replacen("postgres@", &format!("{role}@"), 1);
+    let out = relay_command(
+        &db,
+        &stream,
+        &[
+            "--mode",
+            "log-tailing",
+            "--slot",
+            &slot.name,
+            "--publication",
+            "lt_pub",
+        ],
+    )
+    .env("DATABASE_URL", &url)
+    .output()
+    .expect("run");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("REPLICATION"), "{err}");
+    drop(conn);
+    let _ = diesel::sql_query(format!("DROP OWNED BY {role}")).execute(&mut db.conn());
+    let mut admin =
+        PgConnection::establish(&format!("{}/postgres", support::pg_base())).expect("admin");
+    let _ = diesel::sql_query(format!("DROP ROLE IF EXISTS {role}")).execute(&mut admin);
+}
+
+#[tokio::test]
+async fn a_poison_event_is_parked_passed_over_and_published_again_on_retry() {
+    use async_nats::jetstream::stream::Config;
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let slot = Slot::new(&db);
+    // a stream that refuses messages over 1,000 bytes, as a server's limits can
+    let config = |max_message_size| Config {
+        name: stream.name.clone(),
+        subjects: vec![format!("{}.>", stream.prefix)],
+        max_message_size,
+        ..Default::default()
+    };
+    let js = stream.js().await;
+    js.create_stream(config(1000)).await.expect("stream");
+    let _relay = relay("relay", &db, &stream, &slot, &["--max-attempts", "2"]);
+    wait_reader(&db, &slot).await;
+
+    // recorded with delete-after-insert: the parked event is written back to the table
+    let outbox = Outbox::default().delete_after_insert(true);
+    let mut conn = db.conn();
+    let big = Changed {
+        account: "P".into(),
+        n: 1,
+        blob: Some("x".repeat(2000)),
+    };
+    let poison = conn
+        .transaction(|c| c.record_event_with(&outbox, &big))
+        .expect("p1");
+    let mut expected = Vec::new();
+    for (agg, n) in [("P", 2), ("Q", 1), ("Q", 2)] {
+        expected.push(
+            conn.transaction(|c| c.record_event_with(&outbox, &changed(agg, n)))
+                .expect("commit")
+                .to_string(),
+        );
+    }
+    wait_count(&stream, 3, Duration::from_secs(30)).await;
+    assert_eq!(
+        db.scalar(&format!(
+            "SELECT count(*) FROM outbox WHERE id = '{poison}' AND parked_at IS NOT NULL \
+             AND last_error IS NOT NULL AND attempts = 2"
+        )),
+        1,
+        "the poison event is parked in the table"
+    );
+    let got: Vec<String> = stream
+        .read_all()
+        .await
+        .into_iter()
+        .map(|m| m.msg_id)
+        .collect();
+    assert_eq!(got, expected, "the log passed over it");
+
+    let cli = |args: &[&str]| {
+        let out = Command::new(relay_bin())
+            .env("DATABASE_URL", &db.url)
+            .args(args)
+            .output()
+            .expect("run outbox-relay");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let parked: serde_json::Value =
+        serde_json::from_str(&cli(&["parked", "--json"])).expect("json");
+    assert_eq!(parked[0]["id"], poison.to_string().as_str());
+
+    js.update_stream(config(-1))
+        .await
+        .expect("allow big messages");
+    assert!(cli(&["retry", "--all"]).contains("released 1"));
+    wait_count(&stream, 4, Duration::from_secs(30)).await;
+    let got = stream.read_all().await;
+    assert_eq!(got[3].msg_id, poison.to_string(), "published once released");
+    assert_eq!(got[3].payload["blob"].as_str().map(str::len), Some(2000));
+}

@@ -1,0 +1,1137 @@
+//! Operating the relay: metrics and health over HTTP, the stall alarm and the dedup-window
+//! guard, cleanup under load, the poll's plan, `status`, trace headers, least privilege.
+//!
+//! Relays run as real `outbox-relay` processes: build them first with
+//! `cargo build --workspace --bins`. The 1,000,000-row cleanup run is `#[ignore]`d:
+//! `cargo test --test operations -- --ignored`.
+
+mod support;
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::fs::File;
+use std::process::{Command, Output, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use diesel::prelude::*;
+use outbox_diesel::{AsyncOutboxExt, EventHeaders, Outbox, OutboxEvent, OutboxExt};
+use serde::Serialize;
+use support::servers::{NatsServer, nats_server_bin};
+use support::{Proc, TestDb, TestStream, free_port, relay_bin, relay_command, wait_until};
+
+#[derive(Debug, Clone, Serialize, OutboxEvent)]
+#[outbox(aggregate_type = "order", event_type = "order.placed")]
+struct Placed {
+    #[outbox(aggregate_id)]
+    order: String,
+    n: i64,
+}
+
+fn placed(order: impl Into<String>, n: i64) -> Placed {
+    Placed {
+        order: order.into(),
+        n,
+    }
+}
+
+/// Records `n` events over `aggregates` aggregates, one transaction.
+fn record(db: &TestDb, n: usize, aggregates: usize, tag: &str) {
+    let events: Vec<Placed> = (0..n)
+        .map(|i| placed(format!("{tag}-{}", i % aggregates.max(1)), i as i64))
+        .collect();
+    db.conn()
+        .transaction(|c| c.record_events(&events))
+        .expect("record events");
+}
+
+fn unpublished(db: &TestDb) -> i64 {
+    db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+}
+
+/// A relay with its stderr in a temporary file, read back with [`Relay::logs`].
+struct Relay {
+    proc: Proc,
+    log: std::path::PathBuf,
+}
+
+impl Relay {
+    fn start(mut cmd: Command) -> Self {
+        let log =
+            std::env::temp_dir().join(format!("outbox-ops-{}.log", uuid::Uuid::now_v7().simple()));
+        let file = File::create(&log).expect("relay log file");
+        cmd.stdout(Stdio::null()).stderr(Stdio::from(file));
+        Relay {
+            proc: Proc::spawn("outbox-relay", &mut cmd),
+            log,
+        }
+    }
+
+    fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.proc.kill();
+        let _ = std::fs::remove_file(&self.log);
+    }
+}
+
+/// `GET path` over HTTP/1.0; the status code and the body.
+async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let fetch = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+            .await
+            .ok()?;
+        let mut buf = Vec::new();
+        s.read_to_end(&mut buf).await.ok()?;
+        let text = String::from_utf8_lossy(&buf).into_owned();
+        let (head, body) = text.split_once("\r\n\r\n")?;
+        let code = head.split_whitespace().nth(1)?.parse().ok()?;
+        Some((code, body.to_owned()))
+    };
+    tokio::time::timeout(Duration::from_secs(5), fetch)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// The value of the sample `name` (with every label of `labels`) in a Prometheus text body.
+fn sample(body: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    body.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|line| {
+            let (series, value) = line.rsplit_once(' ')?;
+            let (metric, rest) = match series.split_once('{') {
+                Some((m, rest)) => (m, rest),
+                None => (series, ""),
+            };
+            if metric != name
+                || !labels
+                    .iter()
+                    .all(|(k, v)| rest.contains(&format!("{k}=\"{v}\"")))
+            {
+                return None;
+            }
+            value.parse().ok()
+        })
+}
+
+async fn scrape(addr: &str) -> String {
+    match http_get(addr, "/metrics").await {
+        Some((200, body)) => body,
+        _ => String::new(),
+    }
+}
+
+/// Waits until the scraped `name` satisfies `ok`; returns the body that did.
+async fn wait_metric(
+    addr: &str,
+    name: &str,
+    labels: &[(&str, &str)],
+    timeout: Duration,
+    what: &str,
+    ok: impl Fn(f64) -> bool,
+) -> String {
+    let start = Instant::now();
+    loop {
+        let body = scrape(addr).await;
+        if sample(&body, name, labels).is_some_and(&ok) {
+            return body;
+        }
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}; last {name} = {:?}",
+            sample(&body, name, labels)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn status(url: &str, args: &[&str]) -> Output {
+    Command::new(relay_bin())
+        .env_clear()
+        .arg("status")
+        .args(["--database-url", url])
+        .args(args)
+        .output()
+        .expect("run outbox-relay status")
+}
+
+fn status_json(url: &str, args: &[&str]) -> (i32, serde_json::Value) {
+    let mut all = vec!["--json"];
+    all.extend_from_slice(args);
+    let out = status(url, &all);
+    let json = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "status --json printed no JSON ({e}): {}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    (out.status.code().unwrap_or(-1), json)
+}
+
+// ---------------------------------------------------------------------------------------------
+// metrics, health, stall alarm
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_show_the_backlog_rising_while_nats_is_down_and_falling_to_zero_after() {
+    let mut nats = NatsServer::start();
+    let stream = TestStream::on(&nats.url());
+    let db = TestDb::new();
+    let addr = format!("127.0.0.1:{}", free_port());
+    let relay = Relay::start(relay_command(
+        &db,
+        &stream,
+        &[
+            "--metrics-addr",
+            &addr,
+            "--partitions",
+            "2",
+            "--stall-after",
+            "2s",
+            "--stats-interval",
+            "200ms",
+        ],
+    ));
+    let t = Duration::from_secs(30);
+    wait_until(t, "/readyz to answer 200", || async {
+        matches!(http_get(&addr, "/readyz").await, Some((200, _)))
+    })
+    .await;
+    assert_eq!(
+        http_get(&addr, "/healthz").await.map(|r| r.0),
+        Some(200),
+        "/healthz"
+    );
+
+    record(&db, 20, 5, "up");
+    wait_until(t, "20 rows published", || async { unpublished(&db) == 0 }).await;
+    let body = wait_metric(
+        &addr,
+        "outbox_events_published_total",
+        &[],
+        t,
+        "20 events published",
+        |v| v >= 20.0,
+    )
+    .await;
+    assert_eq!(sample(&body, "outbox_partitions_owned", &[]), Some(2.0));
+    assert!(sample(&body, "outbox_commit_to_ack_seconds_count", &[]).is_some_and(|v| v >= 20.0));
+    assert!(sample(&body, "outbox_batch_rows_count", &[]).is_some_and(|v| v >= 1.0));
+    wait_metric(
+        &addr,
+        "outbox_backlog_rows",
+        &[],
+        t,
+        "an empty backlog",
+        |v| v == 0.0,
+    )
+    .await;
+    assert_eq!(
+        sample(&scrape(&addr).await, "outbox_nats_connected", &[]),
+        Some(1.0)
+    );
+
+    // NATS down: /readyz says so, the backlog rises, the stall gauge fires past 2 s
+    let down = Instant::now();
+    nats.stop();
+    wait_until(t, "/readyz to report NATS down", || async {
+        matches!(http_get(&addr, "/readyz").await, Some((503, body)) if body.contains("NATS"))
+    })
+    .await;
+    record(&db, 25, 5, "down-a");
+    wait_metric(
+        &addr,
+        "outbox_backlog_rows",
+        &[],
+        t,
+        "a backlog of 25",
+        |v| v == 25.0,
+    )
+    .await;
+    record(&db, 25, 5, "down-b");
+    let body = wait_metric(
+        &addr,
+        "outbox_backlog_rows",
+        &[],
+        t,
+        "a backlog of 50",
+        |v| v == 50.0,
+    )
+    .await;
+    let per_partition: f64 = ["0", "1"]
+        .iter()
+        .filter_map(|p| sample(&body, "outbox_partition_backlog_rows", &[("partition", p)]))
+        .sum();
+    assert_eq!(per_partition, 50.0, "the partitions' backlogs add up");
+    assert_eq!(sample(&body, "outbox_nats_connected", &[]), Some(0.0));
+    let body = wait_metric(&addr, "outbox_stalled", &[], t, "the stall gauge", |v| {
+        v == 1.0
+    })
+    .await;
+    let stalled_after = down.elapsed();
+    let age = sample(&body, "outbox_oldest_unpublished_age_seconds", &[]).unwrap_or(0.0);
+    assert!(age > 2.0, "stalled with an oldest age of {age}s");
+    assert_eq!(sample(&body, "outbox_ready", &[]), Some(0.0));
+
+    // NATS back: the backlog falls to 0, the alarm clears, every event is in the stream once
+    let up = Instant::now();
+    nats.restart();
+    wait_metric(
+        &addr,
+        "outbox_backlog_rows",
+        &[],
+        Duration::from_secs(60),
+        "the backlog to drain",
+        |v| v == 0.0,
+    )
+    .await;
+    let drained = up.elapsed();
+    wait_metric(
+        &addr,
+        "outbox_stalled",
+        &[],
+        t,
+        "the stall gauge to clear",
+        |v| v == 0.0,
+    )
+    .await;
+    wait_until(t, "/readyz 200 again", || async {
+        matches!(http_get(&addr, "/readyz").await, Some((200, _)))
+    })
+    .await;
+    assert_eq!(stream.count().await, 70);
+    let logs = relay.logs();
+    assert!(
+        logs.contains("stalled"),
+        "the stall warning is logged:\n{logs}"
+    );
+    println!(
+        "stall gauge fired {stalled_after:?} after NATS went down (--stall-after 2s); backlog of 50 drained {drained:?} after NATS came back"
+    );
+}
+
+/// An in-doubt row (a publish was tried: `attempts > 0`) older than the stream's duplicate
+/// window fires the guard, and it clears once the row is published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dedup_window_guard_covers_in_doubt_rows() {
+    let stream = TestStream::new();
+    let db = TestDb::new();
+    // parked after 2 failed attempts, recorded a minute ago
+    diesel::sql_query(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, created_at, \
+         attempts, last_error, parked_at) VALUES (gen_random_uuid(), 'order', 'doubt', \
+         'order.placed', '{}', now() - interval '1 minute', 2, 'timed out', now())",
+    )
+    .execute(&mut db.conn())
+    .expect("insert an in-doubt row");
+    let addr = format!("127.0.0.1:{}", free_port());
+    let relay = Relay::start(relay_command(
+        &db,
+        &stream,
+        &[
+            "--metrics-addr",
+            &addr,
+            "--duplicate-window",
+            "5s",
+            "--stats-interval",
+            "200ms",
+        ],
+    ));
+    let t = Duration::from_secs(30);
+    let body = wait_metric(
+        &addr,
+        "outbox_backlog_beyond_duplicate_window",
+        &[],
+        t,
+        "the dedup-window guard",
+        |v| v == 1.0,
+    )
+    .await;
+    assert_eq!(sample(&body, "outbox_in_doubt_rows", &[]), Some(1.0));
+    assert!(sample(&body, "outbox_oldest_in_doubt_age_seconds", &[]).is_some_and(|v| v >= 60.0));
+    assert_eq!(sample(&body, "outbox_parked_rows", &[]), Some(1.0));
+    wait_until(t, "the guard's warning", || async {
+        relay
+            .logs()
+            .contains("in-doubt rows are older than the stream's duplicate window")
+    })
+    .await;
+    // the JSON of `status` carries the same figures
+    let (_, json) = status_json(&db.url, &[]);
+    assert_eq!(json["backlog"]["in_doubt"], 1);
+    assert!(
+        json["backlog"]["oldest_in_doubt_age_seconds"]
+            .as_f64()
+            .is_some_and(|v| v >= 60.0)
+    );
+
+    let out = Command::new(relay_bin())
+        .args(["retry", "--all", "--database-url", &db.url])
+        .output()
+        .expect("retry");
+    assert!(out.status.success());
+    wait_metric(
+        &addr,
+        "outbox_in_doubt_rows",
+        &[],
+        t,
+        "no in-doubt row",
+        |v| v == 0.0,
+    )
+    .await;
+    wait_metric(
+        &addr,
+        "outbox_backlog_beyond_duplicate_window",
+        &[],
+        t,
+        "the guard to clear",
+        |v| v == 0.0,
+    )
+    .await;
+    assert_eq!(stream.count().await, 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// cleanup and the poll's plan
+
+/// Inserts `n` rows published an hour ago, in one statement.
+fn insert_published(db: &TestDb, n: i64) {
+    diesel::sql_query(format!(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, created_at, \
+         published_at) SELECT gen_random_uuid(), 'order', 'old-' || (i % 1000), 'order.placed', \
+         jsonb_build_object('n', i), now() - interval '61 minutes', now() - interval '1 hour' \
+         FROM generate_series(1, {n}) AS i"
+    ))
+    .execute(&mut db.conn())
+    .expect("insert published rows");
+}
+
+/// The relay's poll plan, planned as the relay's session plans it.
+async fn poll_plan(db: &TestDb, partitions: &[i32], count: u32) -> Vec<String> {
+    let mut conn = db.async_conn().await;
+    outbox_diesel::relay::prepare_session(&mut conn)
+        .await
+        .expect("prepare the session");
+    outbox_diesel::relay::explain_poll(
+        &mut conn,
+        &outbox_diesel::OutboxTable::DEFAULT,
+        partitions,
+        count,
+        500,
+    )
+    .await
+    .expect("explain the poll")
+}
+
+fn assert_index_scan(plan: &[String]) {
+    let text = plan.join("\n");
+    assert!(
+        text.contains("Index Scan using outbox_unpublished"),
+        "the poll must scan outbox_unpublished:\n{text}"
+    );
+    assert!(
+        !text.contains("Seq Scan") && !text.contains("Sort"),
+        "the poll must neither scan the table nor sort:\n{text}"
+    );
+}
+
+async fn cleanup_keeps_the_table_bounded(rows: i64) {
+    let stream = TestStream::new();
+    let db = TestDb::new();
+    let started = Instant::now();
+    insert_published(&db, rows);
+    println!("inserted {rows} published rows in {:?}", started.elapsed());
+    // statistics still call the table empty: the plan must not depend on them
+    for (partitions, count) in [(&[0][..], 1), (&[0, 2][..], 4)] {
+        let plan = poll_plan(&db, partitions, count).await;
+        println!(
+            "poll plan ({count} partitions, stale statistics):\n{}",
+            plan.join("\n")
+        );
+        assert_index_scan(&plan);
+    }
+
+    // events keep flowing: 20 per transaction, every 20 ms
+    let stop = Arc::new(AtomicBool::new(false));
+    let recorded = Arc::new(AtomicU64::new(0));
+    let writer = {
+        let (url, stop, recorded) = (db.url.clone(), stop.clone(), recorded.clone());
+        std::thread::spawn(move || {
+            let mut conn = PgConnection::establish(&url).expect("writer connects");
+            let mut n = 0i64;
+            while !stop.load(Ordering::Relaxed) {
+                let events: Vec<Placed> = (0..20)
+                    .map(|k| placed(format!("new-{}", k % 7), n + k))
+                    .collect();
+                conn.transaction(|c| c.record_events(&events))
+                    .expect("record");
+                n += 20;
+                recorded.store(n as u64, Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        })
+    };
+
+    let addr = format!("127.0.0.1:{}", free_port());
+    let _relay = Relay::start(relay_command(
+        &db,
+        &stream,
+        &[
+            "--metrics-addr",
+            &addr,
+            "--retention",
+            "2s",
+            "--cleanup-interval",
+            "250ms",
+            "--cleanup-batch",
+            "5000",
+            "--stats-interval",
+            "250ms",
+        ],
+    ));
+    let swept = Instant::now();
+    let timeout = Duration::from_secs(30 + (rows / 10_000) as u64);
+    wait_until(timeout, "the old published rows to be deleted", || async {
+        db.scalar("SELECT count(*) FROM outbox WHERE published_at < now() - interval '30 minutes'")
+            == 0
+    })
+    .await;
+    let sweep_took = swept.elapsed();
+    let oldest_published_ms = || {
+        db.scalar(
+            "SELECT COALESCE(EXTRACT(EPOCH FROM now() - min(published_at)) * 1000, 0) FROM outbox \
+             WHERE published_at IS NOT NULL",
+        )
+    };
+    // until vacuum has run, the first rounds after a mass delete step over the dead index
+    // entries of the deleted rows: they catch up with the rows published meanwhile
+    wait_until(
+        timeout,
+        "cleanup to catch up with the retention",
+        || async { oldest_published_ms() < 5_000 },
+    )
+    .await;
+    let caught_up = swept.elapsed();
+
+    // while events flow, the table holds about one retention period of rows
+    let mut max_rows = 0;
+    let mut max_age = 0;
+    let sampling = Instant::now();
+    while sampling.elapsed() < Duration::from_secs(4) {
+        max_rows = max_rows.max(db.scalar("SELECT count(*) FROM outbox"));
+        let oldest = oldest_published_ms();
+        max_age = max_age.max(oldest);
+        assert!(
+            oldest < 10_000,
+            "a row published {oldest} ms ago is still there"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL") > 0,
+        "rows younger than --retention are kept"
+    );
+    assert!(
+        max_rows < 10_000,
+        "the table held {max_rows} rows while events flowed"
+    );
+    let plan = poll_plan(&db, &[0], 1).await;
+    assert_index_scan(&plan);
+
+    stop.store(true, Ordering::Relaxed);
+    writer.join().expect("writer");
+    let total = recorded.load(Ordering::Relaxed);
+    wait_until(Duration::from_secs(30), "every event published", || async {
+        unpublished(&db) == 0
+    })
+    .await;
+    wait_until(
+        Duration::from_secs(30),
+        "every event in the stream",
+        || async { stream.count().await == total },
+    )
+    .await;
+    let body = wait_metric(
+        &addr,
+        "outbox_cleanup_rows_deleted_total",
+        &[],
+        Duration::from_secs(10),
+        "the cleanup counter",
+        |v| v >= rows as f64,
+    )
+    .await;
+    let latency = sample(&body, "outbox_commit_to_ack_seconds_sum", &[]).unwrap_or(0.0)
+        / sample(&body, "outbox_commit_to_ack_seconds_count", &[]).unwrap_or(1.0);
+    println!(
+        "cleanup removed {rows} published rows in {sweep_took:?} (caught up with the retention after {caught_up:?}) while {total} events flowed; afterwards the table held at most {max_rows} rows, the oldest published row was at most {max_age} ms old (--retention 2s); mean commit-to-ack {:.1} ms",
+        latency * 1000.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cleanup_keeps_a_table_of_200k_published_rows_bounded_while_events_flow() {
+    cleanup_keeps_the_table_bounded(200_000).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "1,000,000 rows: run with --ignored"]
+async fn cleanup_keeps_a_table_of_1m_published_rows_bounded_while_events_flow() {
+    cleanup_keeps_the_table_bounded(1_000_000).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cleanup_command_deletes_only_rows_older_than_the_retention_and_cleaners_share_the_work() {
+    let db = TestDb::new();
+    insert_published(&db, 1000);
+    diesel::sql_query(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, published_at) \
+         SELECT gen_random_uuid(), 'order', 'recent', 'order.placed', '{}', now() \
+         FROM generate_series(1, 10)",
+    )
+    .execute(&mut db.conn())
+    .expect("recent rows");
+    record(&db, 5, 1, "pending");
+    let cleanup = |args: &[&str]| {
+        Command::new(relay_bin())
+            .env_clear()
+            .arg("cleanup")
+            .args(["--database-url", &db.url])
+            .args(args)
+            .output()
+            .expect("run outbox-relay cleanup")
+    };
+    let out = cleanup(&["--retention", "5m", "--batch", "300"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "deleted 1000 published row(s) older than 5m"
+    );
+    assert_eq!(db.scalar("SELECT count(*) FROM outbox"), 15);
+
+    // archive instead of deleting
+    diesel::sql_query("CREATE TABLE outbox_archive (LIKE outbox)")
+        .execute(&mut db.conn())
+        .expect("archive table");
+    let out = cleanup(&["--retention", "0", "--archive-table", "outbox_archive"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("archived 10 "));
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM outbox_archive WHERE aggregate_id = 'recent'"),
+        10
+    );
+    assert_eq!(unpublished(&db), 5);
+    assert_eq!(db.scalar("SELECT count(*) FROM outbox"), 5);
+
+    // concurrent cleaners skip each other's rows: together they delete each row once
+    insert_published(&db, 100_000);
+    let cleaners: Vec<_> = (0..3)
+        .map(|_| {
+            let url = db.url.clone();
+            std::thread::spawn(move || {
+                Command::new(relay_bin())
+                    .env_clear()
+                    .args(["cleanup", "--database-url", &url, "--batch", "1000"])
+                    .output()
+                    .expect("cleanup")
+            })
+        })
+        .collect();
+    let mut deleted = 0;
+    for c in cleaners {
+        let out = c.join().expect("cleaner");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        deleted += text
+            .split_whitespace()
+            .nth(1)
+            .and_then(|n| n.parse::<i64>().ok())
+            .unwrap_or_else(|| panic!("unexpected output {text:?}"));
+    }
+    assert_eq!(deleted, 100_000);
+    assert_eq!(db.scalar("SELECT count(*) FROM outbox"), 5);
+}
+
+// ---------------------------------------------------------------------------------------------
+// status
+
+/// The backend pid of the relay's partition-owning session.
+fn relay_pid(db: &TestDb) -> i64 {
+    db.scalar(
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() \
+         AND application_name = 'outbox-relay' ORDER BY backend_start LIMIT 1",
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_json_matches_the_database_and_its_exit_code_flips_when_the_relay_stalls() {
+    let mut nats = NatsServer::start();
+    let stream = TestStream::on(&nats.url());
+    let db = TestDb::new();
+    let _relay = Relay::start(relay_command(&db, &stream, &["--partitions", "4"]));
+    let t = Duration::from_secs(30);
+    record(&db, 40, 13, "a");
+    wait_until(t, "40 rows published", || async { unpublished(&db) == 0 }).await;
+    wait_until(t, "4 partitions owned", || async {
+        status_json(&db.url, &[]).1["owners"]
+            .as_array()
+            .map(Vec::len)
+            == Some(4)
+    })
+    .await;
+    let pid = relay_pid(&db);
+    let (code, json) = status_json(&db.url, &["--stall-after", "1s"]);
+    assert_eq!(code, 0, "{json:#}");
+    assert_eq!(json["backlog"]["unpublished"], 0);
+    assert_eq!(json["stalled"], false);
+    assert_eq!(json["partition_count"], 4);
+    assert_eq!(json["relays"].as_array().map(Vec::len), Some(1));
+    assert_eq!(json["relays"][0]["pid"], pid);
+    assert_eq!(json["relays"][0]["partitions"], 4);
+    for (i, p) in json["partitions"]
+        .as_array()
+        .expect("partitions")
+        .iter()
+        .enumerate()
+    {
+        assert_eq!(p["partition"], i);
+        assert_eq!(p["unpublished"], 0);
+        assert_eq!(p["owner_pid"], pid, "{p}");
+        assert_eq!(p["owner_application_name"], "outbox-relay");
+    }
+
+    // the relay stalls: NATS is gone, rows wait, one is parked, a transaction stays open
+    nats.stop();
+    record(&db, 30, 11, "b");
+    diesel::sql_query(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, attempts, \
+         last_error, parked_at) VALUES (gen_random_uuid(), 'order', 'poison', 'order.placed', \
+         '{}', 5, 'rejected', now())",
+    )
+    .execute(&mut db.conn())
+    .expect("a parked row");
+    let mut idle = db.conn();
+    diesel::sql_query("BEGIN")
+        .execute(&mut idle)
+        .expect("begin");
+    #[derive(QueryableByName)]
+    struct Pid {
+        #[diesel(sql_type = diesel::sql_types::Integer)]
+        pid: i32,
+    }
+    let idle_pid = diesel::sql_query("SELECT pg_backend_pid() AS pid, txid_current()")
+        .get_result::<Pid>(&mut idle)
+        .expect("an open transaction")
+        .pid;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    let (code, json) = status_json(&db.url, &["--stall-after", "1s"]);
+    assert_eq!(
+        code, 1,
+        "status exits 1 once the oldest row is older than --stall-after"
+    );
+    assert_eq!(json["stalled"], true);
+    assert_eq!(json["stall_after_seconds"], 1.0);
+    let b = &json["backlog"];
+    assert_eq!(b["unpublished"], unpublished(&db));
+    assert_eq!(b["unpublished"], 31);
+    assert_eq!(b["parked"], 1);
+    assert_eq!(b["in_doubt"], 1);
+    let age = db.scalar("SELECT EXTRACT(EPOCH FROM now() - min(created_at)) * 1000 FROM outbox WHERE published_at IS NULL") as f64 / 1000.0;
+    let reported = b["oldest_age_seconds"].as_f64().expect("age");
+    assert!(
+        (reported - age).abs() < 1.0 && reported > 1.0,
+        "{reported} vs {age}"
+    );
+    let mut by_partition: HashMap<i64, i64> = HashMap::new();
+    for p in 0..4 {
+        by_partition.insert(
+            p,
+            db.scalar(&format!(
+                "SELECT count(*) FROM outbox WHERE published_at IS NULL AND aggregate_hash % 4 = {p}"
+            )),
+        );
+    }
+    for p in json["partitions"].as_array().expect("partitions") {
+        let i = p["partition"].as_i64().expect("partition");
+        assert_eq!(
+            p["unpublished"].as_i64(),
+            by_partition.get(&i).copied(),
+            "{p}"
+        );
+    }
+    let x = &json["oldest_transaction"];
+    assert_eq!(x["pid"], idle_pid, "{x}");
+    assert_eq!(x["state"], "idle in transaction");
+    assert!(x["age_seconds"].as_f64().is_some_and(|a| a >= 1.0), "{x}");
+    // 70 rows were marked published: 70 dead row versions, as the statistics count them
+    wait_until(t, "the dead rows to be counted", || async {
+        let (_, json) = status_json(&db.url, &[]);
+        let ours = json["table_stats"]["dead_rows"].as_i64().unwrap_or(-1);
+        ours >= 40
+            && ours
+                == db.scalar("SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = 'outbox'")
+    })
+    .await;
+    let text = status(&db.url, &["--stall-after", "1s"]);
+    assert_eq!(text.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("stalled          true"), "{text}");
+    assert!(text.contains("idle in transaction"), "{text}");
+    drop(idle);
+
+    // NATS back and the parked row released: the exit code flips back
+    nats.restart();
+    let out = Command::new(relay_bin())
+        .args(["retry", "--all", "--database-url", &db.url])
+        .output()
+        .expect("retry");
+    assert!(out.status.success());
+    wait_until(
+        Duration::from_secs(60),
+        "status to exit 0 again",
+        || async { status(&db.url, &["--stall-after", "1s"]).status.code() == Some(0) },
+    )
+    .await;
+    assert_eq!(unpublished(&db), 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// trace headers
+
+thread_local! {
+    /// The application's current trace, as its tracing layer would keep it.
+    static CURRENT_TRACE: RefCell<Option<String>> = const { RefCell::new(None) };
+}
+
+fn in_trace<T>(traceparent: &str, f: impl FnOnce() -> T) -> T {
+    CURRENT_TRACE.with(|t| *t.borrow_mut() = Some(traceparent.to_owned()));
+    let out = f();
+    CURRENT_TRACE.with(|t| *t.borrow_mut() = None);
+    out
+}
+
+fn traced_outbox() -> Outbox {
+    Outbox::default().headers_from(|| {
+        CURRENT_TRACE
+            .with(|t| t.borrow().clone())
+            .map(EventHeaders::traceparent)
+            .unwrap_or_default()
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_traceparent_set_around_a_recording_arrives_as_a_nats_header() {
+    const TRACE_A: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    const TRACE_C: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    const TRACE_D: &str = "00-11111111111111111111111111111111-2222222222222222-00";
+    let stream = TestStream::new();
+    let db = TestDb::new();
+    let outbox = traced_outbox();
+    let mut conn = db.conn();
+    // A: inside the trace; B: outside it; C: inside, with its own headers over the hook's
+    in_trace(TRACE_A, || {
+        conn.transaction(|c| outbox.record(c, &placed("a", 1)))
+    })
+    .expect("record A");
+    conn.transaction(|c| outbox.record(c, &placed("b", 2)))
+        .expect("record B");
+    in_trace(TRACE_A, || {
+        conn.transaction(|c| {
+            outbox.record_with_headers(
+                c,
+                &placed("c", 3),
+                &EventHeaders::traceparent(TRACE_C).with("tenant", "acme"),
+            )
+        })
+    })
+    .expect("record C");
+    // D: async, through the extension trait
+    {
+        use diesel_async::AsyncConnection;
+        let mut conn = db.async_conn().await;
+        conn.transaction(async |c| {
+            c.record_event_with_headers(&placed("d", 4), &EventHeaders::traceparent(TRACE_D))
+                .await
+        })
+        .await
+        .expect("record D");
+    }
+    // a header that would override the relay's own is refused, and nothing is written
+    let refused = conn.transaction(|c| {
+        c.record_event_with_headers(
+            &placed("e", 5),
+            &EventHeaders::new().with("Nats-Msg-Id", "x"),
+        )
+    });
+    assert!(matches!(
+        refused,
+        Err(diesel::result::Error::SerializationError(_))
+    ));
+    assert_eq!(db.scalar("SELECT count(*) FROM outbox"), 4);
+
+    let _relay = Relay::start(relay_command(&db, &stream, &[]));
+    wait_until(
+        Duration::from_secs(30),
+        "4 events in the stream",
+        || async { stream.count().await == 4 },
+    )
+    .await;
+    let msgs = stream.read_all().await;
+    let header = |agg: &str, name: &str| {
+        msgs.iter()
+            .find(|m| m.aggregate_id == agg)
+            .and_then(|m| m.headers.get(name).map(|v| v.as_str().to_owned()))
+    };
+    assert_eq!(header("a", "traceparent").as_deref(), Some(TRACE_A));
+    assert_eq!(header("b", "traceparent"), None);
+    assert_eq!(header("c", "traceparent").as_deref(), Some(TRACE_C));
+    assert_eq!(header("c", "tenant").as_deref(), Some("acme"));
+    assert_eq!(header("d", "traceparent").as_deref(), Some(TRACE_D));
+}
+
+// ---------------------------------------------------------------------------------------------
+// least privilege
+
+/// A login role of its own, dropped on `Drop` (after the test database that holds its grants).
+struct Role {
+    name: String,
+}
+
+impl Drop for Role {
+    fn drop(&mut self) {
+        if let Ok(mut admin) = PgConnection::establish(&format!("{}/postgres", support::pg_base()))
+        {
+            let _ =
+                diesel::sql_query(format!("DROP ROLE IF EXISTS {}", self.name)).execute(&mut admin);
+        }
+    }
+}
+
+/// A private `nats-server -js` that requires a user and password.
+fn nats_with_password(user: &str, password: &str) -> (Proc, u16, std::path::PathBuf) {
+    let port = free_port();
+    let dir = std::env::temp_dir().join(format!("outbox-nats-{}", uuid::Uuid::now_v7().simple()));
+    std::fs::create_dir_all(&dir).expect("nats dir");
+    let proc = Proc::spawn(
+        "nats-server",
+        Command::new(nats_server_bin())
+            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+            .arg(&dir)
+            .args(["--user", user, "--pass", password])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
+    );
+    let start = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "nats-server did not start"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (proc, port, dir)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_runs_with_the_readme_grants_and_leaks_no_password() {
+    let id = uuid::Uuid::now_v7().simple().to_string();
+    let role = Role {
+        name: format!("outbox_relay_{}", &id[20..]),
+    };
+    let db_password = format!("pg-secret-{id}");
+    let nats_password = format!("nats-secret-{id}");
+    let db = TestDb::new();
+    {
+        let mut admin = db.conn();
+        for sql in [
+            format!("CREATE ROLE {} LOGIN PASSWORD '{db_password}'", role.name),
+            format!("GRANT USAGE ON SCHEMA public TO {}", role.name),
+            format!("GRANT SELECT, UPDATE, DELETE ON outbox TO {}", role.name),
+        ] {
+            diesel::sql_query(sql)
+                .execute(&mut admin)
+                .expect("set up the role");
+        }
+    }
+    assert_eq!(
+        db.scalar(&format!(
+            "SELECT has_table_privilege('{}', 'outbox', 'INSERT')::int",
+            role.name
+        )),
+        0
+    );
+    let role_url = format!(
+        "postgres://{}:{db_password}@127.0.0.1:5432/{}",
+        role.name, db.name
+    );
+    let base = support::pg_base();
+    let role_url = if base.ends_with("127.0.0.1:5432") {
+        role_url
+    } else {
+        // another server: keep its host and port
+        let host = base.rsplit('@').next().unwrap_or("127.0.0.1:5432");
+        format!("postgres://{}:{db_password}@{host}/{}", role.name, db.name)
+    };
+    let (_nats, port, nats_dir) = nats_with_password("relay", &nats_password);
+    // the stream is read with the credentials (the private server goes with its streams)
+    let stream = TestStream::on(&format!("nats://127.0.0.1:{port}"));
+    let js = async_nats::jetstream::new(
+        async_nats::ConnectOptions::with_user_and_password("relay".into(), nats_password.clone())
+            .connect(&stream.nats_url)
+            .await
+            .expect("connect to the private NATS"),
+    );
+    let addr = format!("127.0.0.1:{}", free_port());
+    let mut cmd = relay_command(
+        &db,
+        &stream,
+        &[
+            "--nats-user",
+            "relay",
+            "--nats-password",
+            &nats_password,
+            "--metrics-addr",
+            &addr,
+            "--retention",
+            "0s",
+            "--cleanup-interval",
+            "200ms",
+            "--stats-interval",
+            "200ms",
+        ],
+    );
+    cmd.env("DATABASE_URL", &role_url)
+        .env("NATS_URL", format!("nats://127.0.0.1:{port}"))
+        .env("RUST_LOG", "debug");
+    let mut relay = Relay::start(cmd);
+
+    record(&db, 20, 4, "lp");
+    let t = Duration::from_secs(30);
+    wait_until(t, "20 events in the stream", || async {
+        match js.get_stream(&stream.name).await {
+            Ok(mut s) => s.info().await.map(|i| i.state.messages).unwrap_or(0) == 20,
+            Err(_) => false,
+        }
+    })
+    .await;
+    wait_until(t, "the published rows deleted by the role", || async {
+        db.scalar("SELECT count(*) FROM outbox") == 0
+    })
+    .await;
+    assert_eq!(
+        db.scalar(&format!(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'outbox-relay' \
+             AND usename = '{}'",
+            role.name
+        )),
+        1,
+        "the relay runs as the role"
+    );
+
+    let metrics = wait_metric(
+        &addr,
+        "outbox_cleanup_rows_deleted_total",
+        &[],
+        t,
+        "the cleanup counter",
+        |v| v >= 20.0,
+    )
+    .await;
+    let readyz = http_get(&addr, "/readyz").await.expect("/readyz");
+    assert_eq!(readyz.0, 200, "{}", readyz.1);
+    // a second relay takes the NATS credentials from its URL, and stands by
+    let addr2 = format!("127.0.0.1:{}", free_port());
+    let mut cmd = relay_command(&db, &stream, &["--metrics-addr", &addr2]);
+    cmd.env("DATABASE_URL", &role_url)
+        .env(
+            "NATS_URL",
+            format!("nats://relay:{nats_password}@127.0.0.1:{port}"),
+        )
+        .env("RUST_LOG", "debug");
+    let mut standby = Relay::start(cmd);
+    wait_until(t, "the standby's /readyz", || async {
+        matches!(http_get(&addr2, "/readyz").await, Some((200, _)))
+    })
+    .await;
+    let standby_metrics = scrape(&addr2).await;
+    standby.proc.signal("TERM");
+    assert_eq!(standby.proc.wait_exit(Duration::from_secs(20)), Some(0));
+    let standby_logs = standby.logs();
+    assert!(standby_logs.contains("relay:***@"), "{standby_logs}");
+    let outputs = [
+        status(&role_url, &[]),
+        status(&role_url, &["--json"]),
+        // a failing connection prints the URL, without its password
+        status(
+            &format!(
+                "postgres://{}:{db_password}@127.0.0.1:1/{}",
+                role.name, db.name
+            ),
+            &[],
+        ),
+    ];
+    assert!(
+        outputs[0].status.success(),
+        "{}",
+        String::from_utf8_lossy(&outputs[0].stderr)
+    );
+    let failed = String::from_utf8_lossy(&outputs[2].stderr).into_owned();
+    assert!(failed.contains(&format!("{}:***@", role.name)), "{failed}");
+
+    relay.proc.signal("TERM");
+    assert_eq!(relay.proc.wait_exit(Duration::from_secs(20)), Some(0));
+    let logs = relay.logs();
+    assert!(
+        logs.contains("outbox relay started"),
+        "the logs were captured:\n{logs}"
+    );
+    assert!(
+        logs.contains(":***@"),
+        "the database URL is logged redacted:\n{logs}"
+    );
+    let mut places = vec![
+        ("the relay's logs", logs),
+        ("/metrics", metrics),
+        ("the standby's logs", standby_logs),
+        ("the standby's /metrics", standby_metrics),
+    ];
+    for out in &outputs {
+        places.push((
+            "status stdout",
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        ));
+        places.push((
+            "status stderr",
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        ));
+    }
+    for (place, text) in &places {
+        for secret in [&db_password, &nats_password] {
+            assert!(
+                !text.contains(secret.as_str()),
+                "{place} shows a password:\n{text}"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(nats_dir);
+}

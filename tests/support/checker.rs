@@ -1,0 +1,291 @@
+//! The fault suite's checker: reads a whole stream back and compares it with the database.
+//!
+//! The database is the truth. An event is *committed* when its outbox row committed together
+//! with its business row: the writer example (`examples/writer.rs`) writes a ledger entry
+//! (`writer_entries.event_id`) in the transaction that records the event, and the checker
+//! joins the two. In a database without that table every outbox row counts as committed.
+//!
+//! What it counts:
+//!
+//! - `missing`: committed events whose message id is not in the stream;
+//! - `orphaned`: messages in the stream without a committed business row (an event of a
+//!   rolled-back transaction, or one nobody recorded);
+//! - `duplicates`: messages whose `Nats-Msg-Id` is already earlier in the stream;
+//! - `order_violations`: per aggregate, messages (first copies) that arrive after a message of
+//!   the same aggregate with a higher `seq`. `seq` order is commit order per aggregate because
+//!   the writers lock the aggregate's row before recording (the documented rule);
+//! - `torn`: business rows without an outbox row or outbox rows without a business row: a
+//!   transaction that committed half of itself, which must never happen;
+//! - `marked_not_in_stream`: rows marked published whose message is not in the stream
+//!   ("nothing is marked without an ack");
+//! - `max_wait`: the longest time from `Outbox-Created-At` to the message's stream timestamp.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::time::Duration;
+
+use async_nats::jetstream;
+use diesel::prelude::*;
+use diesel::sql_types::{BigInt, Bool, Nullable, Text, Uuid as SqlUuid};
+use futures_util::StreamExt;
+
+use super::{TestDb, TestStream};
+
+/// The business table the writer example fills, one row per committed event.
+pub const BUSINESS_TABLE: &str = "writer_entries";
+
+/// What a run left behind, database against stream.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Report {
+    /// Events whose transaction committed.
+    pub committed: usize,
+    /// Rows in the outbox table.
+    pub outbox_rows: usize,
+    /// Outbox rows not marked published (yet).
+    pub unpublished: usize,
+    /// Half-committed transactions (a business row without its event or the reverse).
+    pub torn: usize,
+    /// Messages in the stream, duplicates included.
+    pub in_stream: usize,
+    /// Committed events not in the stream.
+    pub missing: usize,
+    /// Messages without a committed business row.
+    pub orphaned: usize,
+    /// Messages whose message id came earlier in the stream.
+    pub duplicates: usize,
+    /// Messages that arrived after a later event of their aggregate.
+    pub order_violations: usize,
+    /// Rows marked published that are not in the stream.
+    pub marked_not_in_stream: usize,
+    /// The longest time an event waited from its recording to its storing in the stream.
+    pub max_wait: Duration,
+}
+
+impl Report {
+    /// Asserts the promise for modes that keep order: nothing missing, orphaned, duplicated,
+    /// reordered, torn, or marked without being in the stream.
+    pub fn assert_exact_and_ordered(&self) {
+        self.assert_exact();
+        assert_eq!(self.order_violations, 0, "per-aggregate order: {self}");
+    }
+
+    /// The same without the order (unordered mode).
+    pub fn assert_exact(&self) {
+        assert!(self.committed > 0, "the run committed nothing: {self}");
+        assert_eq!(self.torn, 0, "half-committed transactions: {self}");
+        assert_eq!(
+            self.missing, 0,
+            "committed events missing from the stream: {self}"
+        );
+        assert_eq!(
+            self.orphaned, 0,
+            "events in the stream without a commit: {self}"
+        );
+        assert_eq!(self.duplicates, 0, "duplicates in the stream: {self}");
+        assert_eq!(
+            self.marked_not_in_stream, 0,
+            "rows marked published that are not in the stream: {self}"
+        );
+        assert_eq!(self.unpublished, 0, "rows left unpublished: {self}");
+    }
+}
+
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "committed {} (outbox rows {}, unpublished {}, torn {}); stream {}: missing {}, \
+             orphaned {}, duplicates {}, order violations {}, marked but not in stream {}; \
+             longest wait {:.3}s",
+            self.committed,
+            self.outbox_rows,
+            self.unpublished,
+            self.torn,
+            self.in_stream,
+            self.missing,
+            self.orphaned,
+            self.duplicates,
+            self.order_violations,
+            self.marked_not_in_stream,
+            self.max_wait.as_secs_f64()
+        )
+    }
+}
+
+/// One event as the database knows it.
+#[derive(Debug, QueryableByName)]
+pub struct DbEvent {
+    /// Its outbox `seq` (none when only the business row exists).
+    #[diesel(sql_type = Nullable<BigInt>)]
+    pub seq: Option<i64>,
+    /// Its message id.
+    #[diesel(sql_type = SqlUuid)]
+    pub id: uuid::Uuid,
+    /// `aggregate_type/aggregate_id`.
+    #[diesel(sql_type = Text)]
+    pub aggregate: String,
+    /// Whether its outbox row exists.
+    #[diesel(sql_type = Bool)]
+    pub in_outbox: bool,
+    /// Whether its business row exists.
+    #[diesel(sql_type = Bool)]
+    pub in_business: bool,
+    /// Whether its outbox row is marked published.
+    #[diesel(sql_type = Bool)]
+    pub marked: bool,
+}
+
+/// One message as the stream holds it.
+#[derive(Debug, Clone)]
+pub struct StreamMessage {
+    /// Its stream sequence.
+    pub stream_seq: u64,
+    /// `Nats-Msg-Id`.
+    pub msg_id: String,
+    /// `Outbox-Aggregate-Type` and `Outbox-Aggregate-Id`, joined by `/`.
+    pub aggregate: String,
+    /// `Outbox-Created-At`, in Unix nanoseconds.
+    pub created_nanos: Option<i128>,
+    /// When the stream stored it, in Unix nanoseconds.
+    pub stored_nanos: i128,
+}
+
+fn database_events(db: &TestDb) -> Vec<DbEvent> {
+    let mut conn = db.conn();
+    #[derive(QueryableByName)]
+    struct Exists {
+        #[diesel(sql_type = Bool)]
+        exists: bool,
+    }
+    let business: Exists = diesel::sql_query(format!(
+        "SELECT to_regclass('{BUSINESS_TABLE}') IS NOT NULL AS exists"
+    ))
+    .get_result(&mut conn)
+    .expect("look up the business table");
+    let sql = if business.exists {
+        format!(
+            "SELECT o.seq, COALESCE(o.id, e.event_id) AS id, \
+             COALESCE(o.aggregate_type || '/' || o.aggregate_id, 'account/' || e.account) AS aggregate, \
+             o.id IS NOT NULL AS in_outbox, e.event_id IS NOT NULL AS in_business, \
+             COALESCE(o.published_at IS NOT NULL, false) AS marked \
+             FROM outbox o FULL JOIN {BUSINESS_TABLE} e ON e.event_id = o.id"
+        )
+    } else {
+        "SELECT o.seq, o.id, o.aggregate_type || '/' || o.aggregate_id AS aggregate, \
+         true AS in_outbox, true AS in_business, o.published_at IS NOT NULL AS marked FROM outbox o"
+            .to_owned()
+    };
+    diesel::sql_query(sql)
+        .load(&mut conn)
+        .expect("read the outbox and the business rows")
+}
+
+/// Every message of `stream`, in stream order.
+pub async fn read_messages(stream: &TestStream) -> Vec<StreamMessage> {
+    let js = stream.js().await;
+    let Ok(mut s) = js.get_stream(&stream.name).await else {
+        return Vec::new();
+    };
+    let total = s.info().await.expect("stream info").state.messages;
+    if total == 0 {
+        return Vec::new();
+    }
+    let consumer = s
+        .create_consumer(jetstream::consumer::pull::OrderedConfig::default())
+        .await
+        .expect("an ordered consumer");
+    let mut messages = consumer.messages().await.expect("consume the stream");
+    let mut out = Vec::with_capacity(total as usize);
+    while (out.len() as u64) < total {
+        let m = tokio::time::timeout(Duration::from_secs(30), messages.next())
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "reading the stream timed out after {} of {total}",
+                    out.len()
+                )
+            })
+            .expect("the stream ended early")
+            .expect("a message");
+        let headers = m.headers.clone().unwrap_or_default();
+        let get = |k: &str| headers.get(k).map(|v| v.as_str().to_owned());
+        let info = m.info().expect("JetStream metadata");
+        out.push(StreamMessage {
+            stream_seq: info.stream_sequence,
+            msg_id: get("Nats-Msg-Id").unwrap_or_default(),
+            aggregate: format!(
+                "{}/{}",
+                get("Outbox-Aggregate-Type").unwrap_or_default(),
+                get("Outbox-Aggregate-Id").unwrap_or_default()
+            ),
+            created_nanos: get("Outbox-Created-At")
+                .and_then(|t| chrono::DateTime::parse_from_rfc3339(&t).ok())
+                .and_then(|t| t.timestamp_nanos_opt())
+                .map(i128::from),
+            stored_nanos: info.published.unix_timestamp_nanos(),
+        });
+    }
+    out
+}
+
+/// Reads the database and the whole stream and compares them.
+pub async fn check(db: &TestDb, stream: &TestStream) -> Report {
+    let events = database_events(db);
+    let messages = read_messages(stream).await;
+    compare(&events, &messages)
+}
+
+/// Compares what the database committed with what the stream holds.
+pub fn compare(events: &[DbEvent], messages: &[StreamMessage]) -> Report {
+    let mut report = Report {
+        outbox_rows: events.iter().filter(|e| e.in_outbox).count(),
+        committed: events
+            .iter()
+            .filter(|e| e.in_outbox && e.in_business)
+            .count(),
+        unpublished: events.iter().filter(|e| e.in_outbox && !e.marked).count(),
+        torn: events
+            .iter()
+            .filter(|e| e.in_outbox != e.in_business)
+            .count(),
+        in_stream: messages.len(),
+        ..Report::default()
+    };
+    let committed: HashMap<String, &DbEvent> = events
+        .iter()
+        .filter(|e| e.in_outbox && e.in_business)
+        .map(|e| (e.id.to_string(), e))
+        .collect();
+    let mut seen: HashSet<&str> = HashSet::with_capacity(messages.len());
+    let mut highest: HashMap<&str, i64> = HashMap::new();
+    for m in messages {
+        if !seen.insert(&m.msg_id) {
+            report.duplicates += 1;
+            continue;
+        }
+        if let Some(created) = m.created_nanos {
+            let waited = Duration::from_nanos((m.stored_nanos - created).max(0) as u64);
+            report.max_wait = report.max_wait.max(waited);
+        }
+        let Some(event) = committed.get(&m.msg_id) else {
+            report.orphaned += 1;
+            continue;
+        };
+        let seq = event.seq.unwrap_or_default();
+        let top = highest.entry(&m.aggregate).or_insert(seq);
+        if seq < *top {
+            report.order_violations += 1;
+        } else {
+            *top = seq;
+        }
+    }
+    report.missing = committed
+        .keys()
+        .filter(|id| !seen.contains(id.as_str()))
+        .count();
+    report.marked_not_in_stream = events
+        .iter()
+        .filter(|e| e.in_outbox && e.marked && !seen.contains(e.id.to_string().as_str()))
+        .count();
+    report
+}
