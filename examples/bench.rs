@@ -285,10 +285,10 @@ impl Bench {
         let start = Instant::now();
         let mut in_flight = FuturesUnordered::new();
         for i in 0..n {
-            if in_flight.len() >= 512 {
-                if let Some(r) = in_flight.next().await {
-                    r?;
-                }
+            if in_flight.len() >= 512
+                && let Some(r) = in_flight.next().await
+            {
+                r?;
             }
             let mut h = async_nats::HeaderMap::new();
             h.insert("Nats-Msg-Id", uuid::Uuid::now_v7().to_string().as_str());

@@ -23,7 +23,11 @@ struct Changed {
 }
 
 fn changed(account: &str, n: i64) -> Changed {
-    Changed { account: account.into(), n, blob: None }
+    Changed {
+        account: account.into(),
+        n,
+        blob: None,
+    }
 }
 
 fn relay(name: &str, db: &TestDb, stream: &TestStream, args: &[&str]) -> Proc {
@@ -41,7 +45,9 @@ async fn wait_published(db: &TestDb, n: i64, timeout: Duration) {
 fn by_aggregate(msgs: &[support::Received]) -> HashMap<String, Vec<String>> {
     let mut out: HashMap<String, Vec<String>> = HashMap::new();
     for m in msgs {
-        out.entry(m.aggregate_id.clone()).or_default().push(m.msg_id.clone());
+        out.entry(m.aggregate_id.clone())
+            .or_default()
+            .push(m.msg_id.clone());
     }
     out
 }
@@ -50,8 +56,11 @@ fn by_aggregate(msgs: &[support::Received]) -> HashMap<String, Vec<String>> {
 /// serialised, as the writers here are.
 fn expected_order(db: &TestDb) -> HashMap<String, Vec<String>> {
     use outbox_diesel::schema::outbox::dsl::*;
-    let rows: Vec<(uuid::Uuid, String)> =
-        outbox.select((id, aggregate_id)).order(seq).load(&mut db.conn()).expect("rows");
+    let rows: Vec<(uuid::Uuid, String)> = outbox
+        .select((id, aggregate_id))
+        .order(seq)
+        .load(&mut db.conn())
+        .expect("rows");
     let mut out: HashMap<String, Vec<String>> = HashMap::new();
     for (i, a) in rows {
         out.entry(a).or_default().push(i.to_string());
@@ -76,7 +85,9 @@ fn start_writers(
                 for i in 0..per_writer {
                     let n = (w * per_writer + i) as i64;
                     let agg = format!("acct-{}", (n as usize * 7919 + w) % aggregates);
-                    let events: Vec<Changed> = (0..batch).map(|k| changed(&agg, n * 100 + k as i64)).collect();
+                    let events: Vec<Changed> = (0..batch)
+                        .map(|k| changed(&agg, n * 100 + k as i64))
+                        .collect();
                     conn.transaction(|conn| {
                         diesel::sql_query("SELECT pg_advisory_xact_lock(hashtext($1))")
                             .bind::<diesel::sql_types::Text, _>(&agg)
@@ -112,17 +123,23 @@ fn owners(db: &TestDb) -> Vec<(i32, i32)> {
 async fn three_relays_sixteen_partitions_keep_commit_order_per_aggregate_through_a_kill() {
     let (db, stream) = (TestDb::new(), TestStream::new());
     let args = ["--partitions", "16", "--batch-size", "200"];
-    let mut relays: Vec<Proc> = (0..3).map(|i| relay(&format!("relay-{i}"), &db, &stream, &args)).collect();
+    let mut relays: Vec<Proc> = (0..3)
+        .map(|i| relay(&format!("relay-{i}"), &db, &stream, &args))
+        .collect();
 
     // the three relays share the 16 partitions: 5 or 6 each, one owner per partition
-    wait_until(Duration::from_secs(20), "16 partitions spread over 3 relays", || async {
-        let o = owners(&db);
-        let mut per_pid: HashMap<i32, usize> = HashMap::new();
-        for (_, pid) in &o {
-            *per_pid.entry(*pid).or_default() += 1;
-        }
-        o.len() == 16 && per_pid.len() == 3 && per_pid.values().all(|&n| (5..=6).contains(&n))
-    })
+    wait_until(
+        Duration::from_secs(20),
+        "16 partitions spread over 3 relays",
+        || async {
+            let o = owners(&db);
+            let mut per_pid: HashMap<i32, usize> = HashMap::new();
+            for (_, pid) in &o {
+                *per_pid.entry(*pid).or_default() += 1;
+            }
+            o.len() == 16 && per_pid.len() == 3 && per_pid.values().all(|&n| (5..=6).contains(&n))
+        },
+    )
     .await;
 
     // 8 writers, 1,000 aggregates, 50,000 events (5 per transaction)
@@ -159,8 +176,32 @@ async fn three_relays_sixteen_partitions_keep_commit_order_per_aggregate_through
 async fn unordered_workers_deliver_every_event_exactly_once() {
     let (db, stream) = (TestDb::new(), TestStream::new());
     let writers = start_writers(&db, 4, 500, 4, 100);
-    let _a = relay("unordered-a", &db, &stream, &["--mode", "unordered", "--workers", "4", "--batch-size", "50"]);
-    let _b = relay("unordered-b", &db, &stream, &["--mode", "unordered", "--workers", "2", "--batch-size", "50"]);
+    let _a = relay(
+        "unordered-a",
+        &db,
+        &stream,
+        &[
+            "--mode",
+            "unordered",
+            "--workers",
+            "4",
+            "--batch-size",
+            "50",
+        ],
+    );
+    let _b = relay(
+        "unordered-b",
+        &db,
+        &stream,
+        &[
+            "--mode",
+            "unordered",
+            "--workers",
+            "2",
+            "--batch-size",
+            "50",
+        ],
+    );
     for w in writers {
         w.join().expect("writer");
     }
@@ -178,13 +219,17 @@ async fn held_open_transactions(mode_args: &[&str]) {
     diesel::sql_query("CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL)")
         .execute(&mut db.conn())
         .expect("accounts");
-    diesel::sql_query("INSERT INTO accounts VALUES ('A', 0), ('B', 0)").execute(&mut db.conn()).expect("seed");
+    diesel::sql_query("INSERT INTO accounts VALUES ('A', 0), ('B', 0)")
+        .execute(&mut db.conn())
+        .expect("seed");
     let _relay = relay("relay", &db, &stream, mode_args);
 
     // T1 locks A, records a1 (the lower seq) and stays open
     let mut t1 = db.conn();
     diesel::sql_query("BEGIN").execute(&mut t1).expect("begin");
-    diesel::sql_query("UPDATE accounts SET balance = balance + 1 WHERE id = 'A'").execute(&mut t1).expect("lock A");
+    diesel::sql_query("UPDATE accounts SET balance = balance + 1 WHERE id = 'A'")
+        .execute(&mut t1)
+        .expect("lock A");
     let row = outbox_diesel::Outbox::default();
     // raw BEGIN is invisible to Diesel's transaction manager: record with plain SQL here
     diesel::sql_query(
@@ -198,33 +243,50 @@ async fn held_open_transactions(mode_args: &[&str]) {
     // T2 writes B and commits: published while T1 is still open
     db.conn()
         .transaction(|c| {
-            diesel::sql_query("UPDATE accounts SET balance = balance + 1 WHERE id = 'B'").execute(c)?;
+            diesel::sql_query("UPDATE accounts SET balance = balance + 1 WHERE id = 'B'")
+                .execute(c)?;
             c.record_event(&changed("B", 1))
         })
         .expect("b1");
-    wait_until(Duration::from_secs(20), "b1 in the stream", || async { stream.count().await == 1 }).await;
+    wait_until(Duration::from_secs(20), "b1 in the stream", || async {
+        stream.count().await == 1
+    })
+    .await;
 
     // T3 wants A too: it waits for T1's row lock, then records a2
     let url = db.url.clone();
     let t3 = std::thread::spawn(move || {
         let mut c = PgConnection::establish(&url).expect("connect");
         c.transaction(|c| {
-            diesel::sql_query("UPDATE accounts SET balance = balance + 1 WHERE id = 'A'").execute(c)?;
+            diesel::sql_query("UPDATE accounts SET balance = balance + 1 WHERE id = 'A'")
+                .execute(c)?;
             c.record_event(&changed("A", 2))
         })
         .expect("a2");
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!t3.is_finished(), "T3 waits for T1's lock on A");
-    diesel::sql_query("COMMIT").execute(&mut t1).expect("commit T1");
+    diesel::sql_query("COMMIT")
+        .execute(&mut t1)
+        .expect("commit T1");
     t3.join().expect("T3");
 
-    wait_until(Duration::from_secs(20), "3 messages", || async { stream.count().await == 3 }).await;
+    wait_until(Duration::from_secs(20), "3 messages", || async {
+        stream.count().await == 3
+    })
+    .await;
     let got = stream.read_all().await;
-    let order: Vec<(String, String)> = got.iter().map(|m| (m.aggregate_id.clone(), m.payload["n"].to_string())).collect();
+    let order: Vec<(String, String)> = got
+        .iter()
+        .map(|m| (m.aggregate_id.clone(), m.payload["n"].to_string()))
+        .collect();
     assert_eq!(
         order,
-        [("B".into(), "1".into()), ("A".into(), "1".into()), ("A".into(), "2".into())],
+        [
+            ("B".into(), "1".into()),
+            ("A".into(), "1".into()),
+            ("A".into(), "2".into())
+        ],
         "the held-open row is published when it commits, before the later write of its aggregate"
     );
 }
@@ -288,23 +350,37 @@ async fn a_poison_row_parks_without_stopping_other_aggregates_and_is_retried_fro
     let (db, stream) = (TestDb::new(), TestStream::new());
     small_stream(&stream).await;
     let mut conn = db.conn();
-    let big = Changed { account: "P".into(), n: 1, blob: Some("x".repeat(2000)) };
+    let big = Changed {
+        account: "P".into(),
+        n: 1,
+        blob: Some("x".repeat(2000)),
+    };
     conn.transaction(|c| c.record_event(&big)).expect("p1");
-    conn.transaction(|c| c.record_event(&changed("P", 2))).expect("p2");
+    conn.transaction(|c| c.record_event(&changed("P", 2)))
+        .expect("p2");
     for n in 0..5 {
-        conn.transaction(|c| c.record_event(&changed("Q", n))).expect("q");
+        conn.transaction(|c| c.record_event(&changed("Q", n)))
+            .expect("q");
     }
     let _relay = relay("relay", &db, &stream, &["--max-attempts", "2"]);
     wait_published(&db, 5, Duration::from_secs(30)).await;
-    wait_until(Duration::from_secs(30), "P's first event parked", || async {
-        db.scalar("SELECT count(*) FROM outbox WHERE parked_at IS NOT NULL") == 1
-    })
+    wait_until(
+        Duration::from_secs(30),
+        "P's first event parked",
+        || async { db.scalar("SELECT count(*) FROM outbox WHERE parked_at IS NOT NULL") == 1 },
+    )
     .await;
     // P's second event is held back behind the parked one; Q flowed
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL"), 2);
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL"),
+        2
+    );
     let got = stream.read_all().await;
-    assert!(got.iter().all(|m| m.aggregate_id == "Q"), "only Q's events: {got:?}");
+    assert!(
+        got.iter().all(|m| m.aggregate_id == "Q"),
+        "only Q's events: {got:?}"
+    );
 
     let (code, out, err) = cli(&db, &["parked", "--json"]);
     assert_eq!(code, 0, "{err}");
@@ -312,7 +388,12 @@ async fn a_poison_row_parks_without_stopping_other_aggregates_and_is_retried_fro
     assert_eq!(parked.as_array().map(Vec::len), Some(1), "{out}");
     assert_eq!(parked[0]["aggregate_id"], "P");
     assert_eq!(parked[0]["held_back"], 1);
-    assert!(parked[0]["last_error"].as_str().is_some_and(|e| !e.is_empty()), "{out}");
+    assert!(
+        parked[0]["last_error"]
+            .as_str()
+            .is_some_and(|e| !e.is_empty()),
+        "{out}"
+    );
     let (code, out, _) = cli(&db, &["parked"]);
     assert_eq!(code, 0);
     assert!(out.contains("retry"), "{out}");
@@ -326,7 +407,11 @@ async fn a_poison_row_parks_without_stopping_other_aggregates_and_is_retried_fro
     assert!(out.contains("released 1"), "{out}");
     wait_published(&db, 7, Duration::from_secs(30)).await;
     let got = stream.read_all().await;
-    let p: Vec<i64> = got.iter().filter(|m| m.aggregate_id == "P").filter_map(|m| m.payload["n"].as_i64()).collect();
+    let p: Vec<i64> = got
+        .iter()
+        .filter(|m| m.aggregate_id == "P")
+        .filter_map(|m| m.payload["n"].as_i64())
+        .collect();
     assert_eq!(p, [1, 2], "P's events in order once retried");
 }
 
@@ -335,11 +420,29 @@ async fn a_poison_row_is_skipped_in_unordered_mode() {
     let (db, stream) = (TestDb::new(), TestStream::new());
     small_stream(&stream).await;
     let mut conn = db.conn();
-    let big = Changed { account: "P".into(), n: 1, blob: Some("x".repeat(2000)) };
+    let big = Changed {
+        account: "P".into(),
+        n: 1,
+        blob: Some("x".repeat(2000)),
+    };
     conn.transaction(|c| c.record_event(&big)).expect("p1");
-    conn.transaction(|c| c.record_event(&changed("P", 2))).expect("p2");
-    conn.transaction(|c| c.record_event(&changed("Q", 1))).expect("q");
-    let _relay = relay("relay", &db, &stream, &["--mode", "unordered", "--workers", "2", "--max-attempts", "2"]);
+    conn.transaction(|c| c.record_event(&changed("P", 2)))
+        .expect("p2");
+    conn.transaction(|c| c.record_event(&changed("Q", 1)))
+        .expect("q");
+    let _relay = relay(
+        "relay",
+        &db,
+        &stream,
+        &[
+            "--mode",
+            "unordered",
+            "--workers",
+            "2",
+            "--max-attempts",
+            "2",
+        ],
+    );
     wait_published(&db, 2, Duration::from_secs(30)).await;
     wait_until(Duration::from_secs(30), "parked", || async {
         db.scalar("SELECT count(*) FROM outbox WHERE parked_at IS NOT NULL") == 1
@@ -352,16 +455,32 @@ async fn a_poison_row_is_skipped_in_unordered_mode() {
 async fn a_relay_with_another_partition_count_waits_for_the_old_ones() {
     let (db, stream) = (TestDb::new(), TestStream::new());
     let mut old = relay("old", &db, &stream, &["--partitions", "4"]);
-    wait_until(Duration::from_secs(20), "old relay owns 4", || async { owners(&db).len() == 4 }).await;
+    wait_until(Duration::from_secs(20), "old relay owns 4", || async {
+        owners(&db).len() == 4
+    })
+    .await;
     let _new = relay("new", &db, &stream, &["--partitions", "8"]);
     tokio::time::sleep(Duration::from_secs(3)).await;
     let o = owners(&db);
-    assert_eq!(o.len(), 4, "the new relay takes nothing while the old one runs: {o:?}");
+    assert_eq!(
+        o.len(),
+        4,
+        "the new relay takes nothing while the old one runs: {o:?}"
+    );
     assert!(o.iter().all(|(_, pid)| *pid == o[0].1));
     old.signal("TERM");
-    assert_eq!(old.wait_exit(Duration::from_secs(10)), Some(0), "clean exit on SIGTERM");
-    wait_until(Duration::from_secs(20), "the new relay owns 8", || async { owners(&db).len() == 8 }).await;
+    assert_eq!(
+        old.wait_exit(Duration::from_secs(10)),
+        Some(0),
+        "clean exit on SIGTERM"
+    );
+    wait_until(Duration::from_secs(20), "the new relay owns 8", || async {
+        owners(&db).len() == 8
+    })
+    .await;
     // and events flow with the new count
-    db.conn().transaction(|c| c.record_event(&changed("Z", 1))).expect("z");
+    db.conn()
+        .transaction(|c| c.record_event(&changed("Z", 1)))
+        .expect("z");
     wait_published(&db, 1, Duration::from_secs(20)).await;
 }

@@ -101,7 +101,10 @@ impl core::fmt::Display for TokenError {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         match self {
             TokenError::Empty => f.write_str("is empty"),
-            TokenError::Forbidden(c) => write!(f, "contains {c:?}, which cannot appear in a NATS subject token"),
+            TokenError::Forbidden(c) => write!(
+                f,
+                "contains {c:?}, which cannot appear in a NATS subject token"
+            ),
         }
     }
 }

@@ -5,11 +5,11 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use diesel::connection::TransactionManager;
 use diesel::pg::Pg;
 use diesel::query_builder::{AstPass, QueryFragment, QueryId};
 use diesel::result::Error as DieselError;
 use diesel::sql_types::{Array, Text, Uuid as SqlUuid};
-use diesel::connection::TransactionManager;
 use diesel::{Connection, QueryResult, RunQueryDsl};
 use uuid::Uuid;
 
@@ -308,7 +308,10 @@ impl Outbox {
             .execute(conn)?;
         }
         if self.notify_due() {
-            NotifyQuery { channel: self.channel() }.execute(conn)?;
+            NotifyQuery {
+                channel: self.channel(),
+            }
+            .execute(conn)?;
         }
         Ok(())
     }
@@ -362,7 +365,10 @@ impl Outbox {
             }
             let payload = serde_json::to_string(event).map_err(|e| invalid(Reason::Json(e)))?;
             if payload.len() > self.max_payload {
-                return Err(invalid(Reason::TooLarge { size: payload.len(), limit: self.max_payload }));
+                return Err(invalid(Reason::TooLarge {
+                    size: payload.len(),
+                    limit: self.max_payload,
+                }));
             }
             batch.ids.push(Uuid::now_v7());
             batch.aggregate_types.push(aggregate_type.to_owned());
@@ -440,11 +446,15 @@ impl InvalidEvent {
 
 #[derive(Debug, thiserror::Error)]
 enum Reason {
-    #[error("its payload is {size} bytes of JSON, over the outbox's limit of {limit}; store large data elsewhere and record a reference, or raise `Outbox::max_payload` (and the NATS server's max_payload)")]
+    #[error(
+        "its payload is {size} bytes of JSON, over the outbox's limit of {limit}; store large data elsewhere and record a reference, or raise `Outbox::max_payload` (and the NATS server's max_payload)"
+    )]
     TooLarge { size: usize, limit: usize },
     #[error("its aggregate id is empty; every event needs the id of the aggregate it belongs to")]
     EmptyAggregateId,
-    #[error("its aggregate id contains a line break, which cannot travel in the `Outbox-Aggregate-Id` header")]
+    #[error(
+        "its aggregate id contains a line break, which cannot travel in the `Outbox-Aggregate-Id` header"
+    )]
     LineBreakInAggregateId,
     #[error("its aggregate type {0:?} cannot be a NATS subject token: it {1}")]
     AggregateType(String, crate::TokenError),

@@ -110,7 +110,11 @@ impl Outbox {
             .await?;
         }
         if self.notify_due() {
-            NotifyQuery { channel: self.channel() }.execute(conn).await?;
+            NotifyQuery {
+                channel: self.channel(),
+            }
+            .execute(conn)
+            .await?;
         }
         Ok(())
     }

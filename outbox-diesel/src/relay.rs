@@ -168,9 +168,16 @@ pub async fn fetch_partitions(
     if partitions.is_empty() {
         return Ok(Vec::new());
     }
-    FetchBatch { table, partitions, count, limit, held_back, skip_locked: false }
-        .load(conn)
-        .await
+    FetchBatch {
+        table,
+        partitions,
+        count,
+        limit,
+        held_back,
+        skip_locked: false,
+    }
+    .load(conn)
+    .await
 }
 
 #[derive(QueryableByName)]

@@ -142,7 +142,10 @@ mod tests {
 
     #[test]
     fn default_ddl_is_the_migration() {
-        assert_eq!(create_table_sql(&OutboxTable::DEFAULT).replace('"', ""), UP_SQL.trim_end());
+        assert_eq!(
+            create_table_sql(&OutboxTable::DEFAULT).replace('"', ""),
+            UP_SQL.trim_end()
+        );
     }
 
     #[test]
@@ -150,7 +153,13 @@ mod tests {
         let sql = create_table_sql(&"s.ev".parse().expect("valid"));
         assert!(!sql.contains(" outbox ("), "{sql}");
         assert!(!sql.contains("TABLE outbox"), "{sql}");
-        assert!(sql.contains(r#"CREATE INDEX "ev_unpublished" ON "s"."ev" (seq)"#), "{sql}");
-        assert!(sql.contains(r#"CONSTRAINT "ev_aggregate_id_is_a_header_value""#), "{sql}");
+        assert!(
+            sql.contains(r#"CREATE INDEX "ev_unpublished" ON "s"."ev" (seq)"#),
+            "{sql}"
+        );
+        assert!(
+            sql.contains(r#"CONSTRAINT "ev_aggregate_id_is_a_header_value""#),
+            "{sql}"
+        );
     }
 }

@@ -3,9 +3,9 @@
 use std::borrow::Cow;
 use std::fmt;
 
+use diesel::QueryResult;
 use diesel::pg::Pg;
 use diesel::query_builder::AstPass;
-use diesel::QueryResult;
 
 /// The name of an outbox table, optionally schema-qualified.
 ///
@@ -40,7 +40,10 @@ pub struct InvalidTableName {
 
 impl OutboxTable {
     /// The table `outbox` on the connection's `search_path`.
-    pub const DEFAULT: OutboxTable = OutboxTable { schema: None, name: Cow::Borrowed("outbox") };
+    pub const DEFAULT: OutboxTable = OutboxTable {
+        schema: None,
+        name: Cow::Borrowed("outbox"),
+    };
 
     /// A table named `name` on the connection's `search_path`.
     ///
@@ -49,7 +52,10 @@ impl OutboxTable {
     pub fn new(name: impl Into<String>) -> Result<Self, InvalidTableName> {
         let name = name.into();
         check_identifier(&name, &name)?;
-        Ok(OutboxTable { schema: None, name: Cow::Owned(name) })
+        Ok(OutboxTable {
+            schema: None,
+            name: Cow::Owned(name),
+        })
     }
 
     /// The table `name` in `schema`.
@@ -60,7 +66,10 @@ impl OutboxTable {
         let (schema, name) = (schema.into(), name.into());
         check_identifier(&schema, &schema)?;
         check_identifier(&name, &name)?;
-        Ok(OutboxTable { schema: Some(Cow::Owned(schema)), name: Cow::Owned(name) })
+        Ok(OutboxTable {
+            schema: Some(Cow::Owned(schema)),
+            name: Cow::Owned(name),
+        })
     }
 
     /// The schema, when the name is qualified.
@@ -146,7 +155,10 @@ fn check_identifier(input: &str, part: &str) -> Result<(), InvalidTableName> {
     } else {
         return Ok(());
     };
-    Err(InvalidTableName { input: input.to_owned(), reason })
+    Err(InvalidTableName {
+        input: input.to_owned(),
+        reason,
+    })
 }
 
 pub(crate) fn quote_ident(s: &str) -> String {

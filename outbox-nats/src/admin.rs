@@ -17,7 +17,9 @@ pub fn install_recorder() -> Result<PrometheusHandle, metrics_exporter_prometheu
     PrometheusBuilder::new()
         .set_buckets_for_metric(
             Matcher::Suffix("_seconds".into()),
-            &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0],
+            &[
+                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+            ],
         )?
         .set_buckets_for_metric(
             Matcher::Full(crate::metrics::BATCH_ROWS.into()),
@@ -48,5 +50,7 @@ pub async fn serve(
             }),
         );
     let listener = tokio::net::TcpListener::bind(addr).await?;
-    axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned()).await
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown.cancelled_owned())
+        .await
 }

@@ -65,12 +65,20 @@ impl std::fmt::Debug for NatsOptions {
 pub fn redact_url(url: &str) -> String {
     url.split(',')
         .map(|one| {
-            let Some(scheme_end) = one.find("://").map(|i| i + 3) else { return one.to_owned() };
+            let Some(scheme_end) = one.find("://").map(|i| i + 3) else {
+                return one.to_owned();
+            };
             let rest = &one[scheme_end..];
-            let Some(at) = rest.rfind('@') else { return one.to_owned() };
+            let Some(at) = rest.rfind('@') else {
+                return one.to_owned();
+            };
             let userinfo = &rest[..at];
             let user = userinfo.split(':').next().unwrap_or("");
-            let hidden = if userinfo.contains(':') { format!("{user}:***") } else { "***".into() };
+            let hidden = if userinfo.contains(':') {
+                format!("{user}:***")
+            } else {
+                "***".into()
+            };
             format!("{}{}{}", &one[..scheme_end], hidden, &rest[at..])
         })
         .collect::<Vec<_>>()
@@ -129,7 +137,9 @@ pub enum ConnectError {
         source: std::io::Error,
     },
     /// The server refused or could not be reached.
-    #[error("cannot connect to NATS at {url}: {source}; is nats-server running (with -js), and are --nats-url (NATS_URL) and the credentials right?")]
+    #[error(
+        "cannot connect to NATS at {url}: {source}; is nats-server running (with -js), and are --nats-url (NATS_URL) and the credentials right?"
+    )]
     Connect {
         /// The URL, without secrets.
         url: String,
@@ -142,7 +152,10 @@ pub enum ConnectError {
 impl NatsOptions {
     /// Options for `url`, without credentials.
     pub fn new(url: impl Into<String>) -> Self {
-        NatsOptions { url: url.into(), ..Default::default() }
+        NatsOptions {
+            url: url.into(),
+            ..Default::default()
+        }
     }
 
     /// Authenticates with a `.creds` file.
@@ -160,7 +173,10 @@ impl NatsOptions {
             .name(self.name.clone().unwrap_or_else(|| "outbox-relay".into()));
         if let Some(path) = &self.credentials_file {
             opts = opts.credentials_file(path).await.map_err(|source| {
-                ConnectError::CredentialsFile { path: path.clone(), source }
+                ConnectError::CredentialsFile {
+                    path: path.clone(),
+                    source,
+                }
             })?;
         }
         if let Some(seed) = &self.nkey_seed {
@@ -193,7 +209,10 @@ impl NatsOptions {
         // the client logs its server URLs (at debug level): give it none with a password
         opts.connect(without_credentials(&self.url).as_str())
             .await
-            .map_err(|source| ConnectError::Connect { url: redact_url(&self.url), source })
+            .map_err(|source| ConnectError::Connect {
+                url: redact_url(&self.url),
+                source,
+            })
     }
 }
 

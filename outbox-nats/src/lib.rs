@@ -20,8 +20,8 @@
 pub mod admin;
 pub mod cleanup;
 mod config;
-pub mod consumer;
 mod connect;
+pub mod consumer;
 mod lease;
 pub mod metrics;
 mod ordered;
@@ -33,6 +33,6 @@ mod tailing;
 mod unordered;
 
 pub use config::{Mode, RelayConfig};
-pub use consumer::{Consumer, ConsumerConfig, Delivery};
 pub use connect::{ConnectError, NatsOptions, redact_url};
+pub use consumer::{Consumer, ConsumerConfig, Delivery};
 pub use relay::{Health, Relay, RelayError};

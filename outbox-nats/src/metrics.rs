@@ -62,29 +62,98 @@ pub const CAPTURED_DELETED: &str = "outbox_captured_rows_deleted_total";
 pub fn describe() {
     use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
     describe_counter!(EVENTS_PUBLISHED, Unit::Count, "Events acked by JetStream");
-    describe_counter!(DUPLICATES, Unit::Count, "Acks flagged duplicate by JetStream");
+    describe_counter!(
+        DUPLICATES,
+        Unit::Count,
+        "Acks flagged duplicate by JetStream"
+    );
     describe_counter!(PUBLISH_ERRORS, Unit::Count, "Failed publishes by kind");
-    describe_counter!(ROWS_PARKED, Unit::Count, "Rows parked after failing for good");
-    describe_histogram!(COMMIT_TO_ACK, Unit::Seconds, "Time from recording to JetStream's ack");
+    describe_counter!(
+        ROWS_PARKED,
+        Unit::Count,
+        "Rows parked after failing for good"
+    );
+    describe_histogram!(
+        COMMIT_TO_ACK,
+        Unit::Seconds,
+        "Time from recording to JetStream's ack"
+    );
     describe_histogram!(BATCH_ROWS, Unit::Count, "Rows per batch");
-    describe_gauge!(PARTITIONS_OWNED, Unit::Count, "Partitions owned by this relay");
+    describe_gauge!(
+        PARTITIONS_OWNED,
+        Unit::Count,
+        "Partitions owned by this relay"
+    );
     describe_gauge!(BACKLOG_ROWS, Unit::Count, "Unpublished rows");
-    describe_gauge!(OLDEST_AGE, Unit::Seconds, "Age of the oldest unpublished row");
+    describe_gauge!(
+        OLDEST_AGE,
+        Unit::Seconds,
+        "Age of the oldest unpublished row"
+    );
     describe_gauge!(PARKED_ROWS, Unit::Count, "Parked rows");
-    describe_gauge!(STALLED, "1 when the oldest unpublished row is older than --stall-after");
-    describe_gauge!(SLOT_LAG_BYTES, Unit::Bytes, "WAL written since the slot's confirmed position");
-    describe_gauge!(SLOT_LAG_SECONDS, Unit::Seconds, "Age of the oldest unconfirmed transaction read from the slot");
-    describe_gauge!(SLOT_RETAINED_BYTES, Unit::Bytes, "WAL the slot keeps on disk");
-    describe_gauge!(SLOT_LAGGING, "1 when the slot lags past --slot-lag-warn-bytes or --stall-after");
+    describe_gauge!(
+        STALLED,
+        "1 when the oldest unpublished row is older than --stall-after"
+    );
+    describe_gauge!(
+        SLOT_LAG_BYTES,
+        Unit::Bytes,
+        "WAL written since the slot's confirmed position"
+    );
+    describe_gauge!(
+        SLOT_LAG_SECONDS,
+        Unit::Seconds,
+        "Age of the oldest unconfirmed transaction read from the slot"
+    );
+    describe_gauge!(
+        SLOT_RETAINED_BYTES,
+        Unit::Bytes,
+        "WAL the slot keeps on disk"
+    );
+    describe_gauge!(
+        SLOT_LAGGING,
+        "1 when the slot lags past --slot-lag-warn-bytes or --stall-after"
+    );
     describe_gauge!(SLOT_READER, "1 while this relay reads the slot");
-    describe_counter!(CAPTURED_DELETED, Unit::Count, "Captured rows deleted by log tailing");
-    describe_gauge!(BEYOND_DUPLICATE_WINDOW, "1 when the backlog is older than the duplicate window");
-    describe_gauge!(IN_DOUBT_ROWS, Unit::Count, "Unpublished rows whose publishing failed at least once");
-    describe_gauge!(OLDEST_IN_DOUBT_AGE, Unit::Seconds, "Age of the oldest in-doubt row");
-    describe_gauge!(PARTITION_BACKLOG_ROWS, Unit::Count, "Unpublished rows per partition");
-    describe_gauge!(PARTITION_OLDEST_AGE, Unit::Seconds, "Age of the oldest unpublished row per partition");
-    describe_counter!(CLEANUP_DELETED, Unit::Count, "Published rows deleted or archived by cleanup");
-    describe_histogram!(CLEANUP_DURATION, Unit::Seconds, "Duration of cleanup rounds that removed rows");
+    describe_counter!(
+        CAPTURED_DELETED,
+        Unit::Count,
+        "Captured rows deleted by log tailing"
+    );
+    describe_gauge!(
+        BEYOND_DUPLICATE_WINDOW,
+        "1 when the backlog is older than the duplicate window"
+    );
+    describe_gauge!(
+        IN_DOUBT_ROWS,
+        Unit::Count,
+        "Unpublished rows whose publishing failed at least once"
+    );
+    describe_gauge!(
+        OLDEST_IN_DOUBT_AGE,
+        Unit::Seconds,
+        "Age of the oldest in-doubt row"
+    );
+    describe_gauge!(
+        PARTITION_BACKLOG_ROWS,
+        Unit::Count,
+        "Unpublished rows per partition"
+    );
+    describe_gauge!(
+        PARTITION_OLDEST_AGE,
+        Unit::Seconds,
+        "Age of the oldest unpublished row per partition"
+    );
+    describe_counter!(
+        CLEANUP_DELETED,
+        Unit::Count,
+        "Published rows deleted or archived by cleanup"
+    );
+    describe_histogram!(
+        CLEANUP_DURATION,
+        Unit::Seconds,
+        "Duration of cleanup rounds that removed rows"
+    );
     describe_gauge!(NATS_CONNECTED, "1 while the NATS connection is up");
     describe_gauge!(READY, "1 while the relay is ready (/readyz)");
 }

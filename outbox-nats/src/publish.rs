@@ -72,7 +72,12 @@ pub fn to_message(
     template: &SubjectTemplate,
     prefix: &str,
 ) -> Result<OutboxMessage, InvalidRow> {
-    let subject = template.render(prefix, &row.aggregate_type, &row.aggregate_id, &row.event_type);
+    let subject = template.render(
+        prefix,
+        &row.aggregate_type,
+        &row.aggregate_id,
+        &row.event_type,
+    );
     let mut headers = HeaderMap::new();
     if let Some(extra) = row.headers.as_object() {
         for (name, value) in extra {
@@ -92,16 +97,24 @@ pub fn to_message(
     insert(
         &mut headers,
         CREATED_AT_HEADER,
-        &row.created_at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+        &row.created_at
+            .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
     )?;
     insert(&mut headers, "Content-Type", "application/json")?;
     // a serde_json::Value always serialises
     let payload = serde_json::to_vec(&row.payload).unwrap_or_default();
-    Ok(OutboxMessage { subject, headers, payload: Bytes::from(payload) })
+    Ok(OutboxMessage {
+        subject,
+        headers,
+        payload: Bytes::from(payload),
+    })
 }
 
 fn insert(headers: &mut HeaderMap, name: &str, value: &str) -> Result<(), InvalidRow> {
-    let bad = |reason: String| InvalidRow::Header { name: name.to_owned(), reason };
+    let bad = |reason: String| InvalidRow::Header {
+        name: name.to_owned(),
+        reason,
+    };
     if name.is_empty() || name.chars().any(|c| !c.is_ascii_graphic() || c == ':') {
         return Err(bad("a header name is printable ASCII without `:`".into()));
     }
@@ -126,7 +139,9 @@ pub struct StreamInfo {
 #[non_exhaustive]
 pub enum StreamError {
     /// The stream exists but none of its subjects matches the relay's subjects.
-    #[error("stream {stream} exists with subjects {subjects:?}, which do not capture `{wanted}`; add `{wanted}` to its subjects, or pass --stream/--subject-prefix for a stream that does")]
+    #[error(
+        "stream {stream} exists with subjects {subjects:?}, which do not capture `{wanted}`; add `{wanted}` to its subjects, or pass --stream/--subject-prefix for a stream that does"
+    )]
     SubjectsNotCaptured {
         /// The stream.
         stream: String,
@@ -136,7 +151,9 @@ pub enum StreamError {
         wanted: String,
     },
     /// JetStream refused or did not answer.
-    #[error("JetStream stream {stream}: {source}; is JetStream enabled on the server (nats-server -js)?")]
+    #[error(
+        "JetStream stream {stream}: {source}; is JetStream enabled on the server (nats-server -js)?"
+    )]
     JetStream {
         /// The stream.
         stream: String,
@@ -156,7 +173,10 @@ pub async fn ensure_stream(
     duplicate_window: Duration,
 ) -> Result<StreamInfo, StreamError> {
     let wanted = format!("{prefix}.>");
-    let js_err = |e: async_nats::Error| StreamError::JetStream { stream: name.to_owned(), source: e };
+    let js_err = |e: async_nats::Error| StreamError::JetStream {
+        stream: name.to_owned(),
+        source: e,
+    };
     match js.get_stream(name).await {
         Ok(mut s) => {
             let info = s.info().await.map_err(|e| js_err(e.into()))?;
@@ -187,7 +207,10 @@ pub async fn ensure_stream(
                 duplicate_window,
                 ..Default::default()
             };
-            let mut s = js.get_or_create_stream(config).await.map_err(|e| js_err(e.into()))?;
+            let mut s = js
+                .get_or_create_stream(config)
+                .await
+                .map_err(|e| js_err(e.into()))?;
             let info = s.info().await.map_err(|e| js_err(e.into()))?;
             Ok(StreamInfo {
                 name: name.to_owned(),

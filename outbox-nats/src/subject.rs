@@ -38,7 +38,10 @@ pub fn encode_token(value: &str) -> String {
 
 /// Decodes a token made by [`encode_token`]; `None` when it is not valid UTF-8 once decoded.
 pub fn decode_token(token: &str) -> Option<String> {
-    percent_decode_str(token).decode_utf8().ok().map(|c| c.into_owned())
+    percent_decode_str(token)
+        .decode_utf8()
+        .ok()
+        .map(|c| c.into_owned())
 }
 
 /// One piece of a [`SubjectTemplate`].
@@ -75,7 +78,9 @@ pub struct SubjectTemplate {
 
 /// A subject template that cannot be used.
 #[derive(Debug, Clone, thiserror::Error)]
-#[error("invalid subject template {template:?}: {reason}; the default is `{{prefix}}.{{aggregate_type}}.{{aggregate_id}}`")]
+#[error(
+    "invalid subject template {template:?}: {reason}; the default is `{{prefix}}.{{aggregate_type}}.{{aggregate_id}}`"
+)]
 pub struct InvalidTemplate {
     template: String,
     reason: String,
@@ -94,7 +99,10 @@ impl std::str::FromStr for SubjectTemplate {
     type Err = InvalidTemplate;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let err = |reason: String| InvalidTemplate { template: s.to_owned(), reason };
+        let err = |reason: String| InvalidTemplate {
+            template: s.to_owned(),
+            reason,
+        };
         let mut parts = Vec::new();
         for token in s.split('.') {
             let part = match token {
@@ -122,7 +130,10 @@ impl std::str::FromStr for SubjectTemplate {
         if !parts.contains(&Part::AggregateId) {
             return Err(err("it must contain `{aggregate_id}`".into()));
         }
-        Ok(SubjectTemplate { parts, source: s.to_owned() })
+        Ok(SubjectTemplate {
+            parts,
+            source: s.to_owned(),
+        })
     }
 }
 
@@ -179,7 +190,11 @@ impl SubjectTemplate {
             let idx = self.parts.iter().position(|p| *p == Part::AggregateId)?;
             let ev = self.parts.iter().position(|p| *p == Part::EventType)?;
             let from_end = self.parts.len() - idx;
-            let token = if idx > ev { tokens.get(tokens.len().checked_sub(from_end)?)? } else { tokens.get(idx)? };
+            let token = if idx > ev {
+                tokens.get(tokens.len().checked_sub(from_end)?)?
+            } else {
+                tokens.get(idx)?
+            };
             return decode_token(token);
         }
         let tokens: Vec<&str> = subject.split('.').collect();
@@ -220,11 +235,17 @@ mod tests {
     #[test]
     fn hostile_aggregate_ids_keep_the_subject_shape_and_round_trip() {
         let t = SubjectTemplate::default();
-        for id in ["a.b", "*", ">", "a b\tc", "Zürich", "日本", "%41", "x\u{7}y", "-_~", "a..b."] {
+        for id in [
+            "a.b", "*", ">", "a b\tc", "Zürich", "日本", "%41", "x\u{7}y", "-_~", "a..b.",
+        ] {
             let s = t.render("outbox", "order", id, "order.placed");
             assert_eq!(s.split('.').count(), 3, "{s}");
             assert!(s.chars().all(|c| c.is_ascii_graphic()), "{s}");
-            assert!(!s.split('.').any(|tok| tok == "*" || tok == ">" || tok.is_empty()), "{s}");
+            assert!(
+                !s.split('.')
+                    .any(|tok| tok == "*" || tok == ">" || tok.is_empty()),
+                "{s}"
+            );
             assert_eq!(t.aggregate_id_of(&s).as_deref(), Some(id));
         }
     }
@@ -232,11 +253,29 @@ mod tests {
     #[test]
     fn templates_are_checked() {
         assert!("{prefix}.{aggregate_id}".parse::<SubjectTemplate>().is_ok());
-        assert!("{aggregate_type}.{aggregate_id}".parse::<SubjectTemplate>().is_err());
-        assert!("{prefix}.{aggregate_type}".parse::<SubjectTemplate>().is_err());
-        assert!("{prefix}.{nope}.{aggregate_id}".parse::<SubjectTemplate>().is_err());
-        assert!("{prefix}.a b.{aggregate_id}".parse::<SubjectTemplate>().is_err());
-        let t: SubjectTemplate = "{prefix}.{event_type}.{aggregate_id}".parse().expect("valid");
+        assert!(
+            "{aggregate_type}.{aggregate_id}"
+                .parse::<SubjectTemplate>()
+                .is_err()
+        );
+        assert!(
+            "{prefix}.{aggregate_type}"
+                .parse::<SubjectTemplate>()
+                .is_err()
+        );
+        assert!(
+            "{prefix}.{nope}.{aggregate_id}"
+                .parse::<SubjectTemplate>()
+                .is_err()
+        );
+        assert!(
+            "{prefix}.a b.{aggregate_id}"
+                .parse::<SubjectTemplate>()
+                .is_err()
+        );
+        let t: SubjectTemplate = "{prefix}.{event_type}.{aggregate_id}"
+            .parse()
+            .expect("valid");
         let s = t.render("p", "order", "x.y", "order.placed");
         assert_eq!(s, "p.order.placed.x%2Ey");
         assert_eq!(t.aggregate_id_of(&s).as_deref(), Some("x.y"));
