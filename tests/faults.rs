@@ -339,27 +339,8 @@ async fn published_at_least(db: &TestDb, n: i64, timeout: Duration) {
     .await;
 }
 
-/// The partition owners of the outbox: (partition, backend pid).
-fn owners(db: &TestDb) -> Vec<(i32, i32)> {
-    #[derive(QueryableByName)]
-    struct O {
-        #[diesel(sql_type = diesel::sql_types::Integer)]
-        partition: i32,
-        #[diesel(sql_type = diesel::sql_types::Integer)]
-        pid: i32,
-    }
-    let rows: Vec<O> = diesel::sql_query(
-        "SELECT l.objid::int AS partition, l.pid FROM pg_locks l WHERE l.locktype = 'advisory' \
-         AND l.granted AND l.objsubid = 2 AND l.classid = 'outbox'::regclass::oid \
-         AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-    )
-    .load(&mut db.conn())
-    .expect("partition owners");
-    rows.into_iter().map(|o| (o.partition, o.pid)).collect()
-}
-
 fn distinct_owners(db: &TestDb) -> (usize, usize) {
-    let o = owners(db);
+    let o = support::partition_owners(db);
     let pids: std::collections::HashSet<i32> = o.iter().map(|(_, pid)| *pid).collect();
     (o.len(), pids.len())
 }

@@ -101,24 +101,6 @@ fn start_writers(
         .collect()
 }
 
-fn owners(db: &TestDb) -> Vec<(i32, i32)> {
-    #[derive(QueryableByName)]
-    struct O {
-        #[diesel(sql_type = diesel::sql_types::Integer)]
-        partition: i32,
-        #[diesel(sql_type = diesel::sql_types::Integer)]
-        pid: i32,
-    }
-    let rows: Vec<O> = diesel::sql_query(
-        "SELECT l.objid::int AS partition, l.pid FROM pg_locks l WHERE l.locktype = 'advisory' \
-         AND l.granted AND l.objsubid = 2 AND l.classid = 'outbox'::regclass::oid \
-         AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-    )
-    .load(&mut db.conn())
-    .expect("owners");
-    rows.into_iter().map(|o| (o.partition, o.pid)).collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_relays_sixteen_partitions_keep_commit_order_per_aggregate_through_a_kill() {
     let (db, stream) = (TestDb::new(), TestStream::new());
@@ -132,7 +114,7 @@ async fn three_relays_sixteen_partitions_keep_commit_order_per_aggregate_through
         Duration::from_secs(20),
         "16 partitions spread over 3 relays",
         || async {
-            let o = owners(&db);
+            let o = support::partition_owners(&db);
             let mut per_pid: HashMap<i32, usize> = HashMap::new();
             for (_, pid) in &o {
                 *per_pid.entry(*pid).or_default() += 1;
@@ -146,7 +128,10 @@ async fn three_relays_sixteen_partitions_keep_commit_order_per_aggregate_through
     let writers = start_writers(&db, 8, 1250, 5, 1000);
     wait_published(&db, 5_000, Duration::from_secs(120)).await;
     relays[1].kill(); // kill -9 mid-run
-    let partitions: HashSet<i32> = owners(&db).iter().map(|(p, _)| *p).collect();
+    let partitions: HashSet<i32> = support::partition_owners(&db)
+        .iter()
+        .map(|(p, _)| *p)
+        .collect();
     assert!(partitions.len() <= 16);
     tokio::time::sleep(Duration::from_millis(500)).await;
     relays[1] = relay("relay-1b", &db, &stream, &args);
@@ -155,7 +140,7 @@ async fn three_relays_sixteen_partitions_keep_commit_order_per_aggregate_through
     }
     wait_published(&db, 50_000, Duration::from_secs(300)).await;
     // each partition has exactly one owner, never two
-    let o = owners(&db);
+    let o = support::partition_owners(&db);
     let unique: HashSet<i32> = o.iter().map(|(p, _)| *p).collect();
     assert_eq!(unique.len(), o.len(), "a partition with two owners: {o:?}");
     drop(relays);
@@ -456,12 +441,12 @@ async fn a_relay_with_another_partition_count_waits_for_the_old_ones() {
     let (db, stream) = (TestDb::new(), TestStream::new());
     let mut old = relay("old", &db, &stream, &["--partitions", "4"]);
     wait_until(Duration::from_secs(20), "old relay owns 4", || async {
-        owners(&db).len() == 4
+        support::partition_owners(&db).len() == 4
     })
     .await;
     let _new = relay("new", &db, &stream, &["--partitions", "8"]);
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let o = owners(&db);
+    let o = support::partition_owners(&db);
     assert_eq!(
         o.len(),
         4,
@@ -475,7 +460,7 @@ async fn a_relay_with_another_partition_count_waits_for_the_old_ones() {
         "clean exit on SIGTERM"
     );
     wait_until(Duration::from_secs(20), "the new relay owns 8", || async {
-        owners(&db).len() == 8
+        support::partition_owners(&db).len() == 8
     })
     .await;
     // and events flow with the new count

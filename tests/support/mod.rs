@@ -344,3 +344,23 @@ pub fn free_port() -> u16 {
         .map(|a| a.port())
         .expect("a free port")
 }
+
+/// The partition owners of the outbox in `db`: (partition, backend pid), from the relays'
+/// advisory locks.
+pub fn partition_owners(db: &TestDb) -> Vec<(i32, i32)> {
+    #[derive(QueryableByName)]
+    struct O {
+        #[diesel(sql_type = diesel::sql_types::Integer)]
+        partition: i32,
+        #[diesel(sql_type = diesel::sql_types::Integer)]
+        pid: i32,
+    }
+    let rows: Vec<O> = diesel::sql_query(
+        "SELECT l.objid::int AS partition, l.pid FROM pg_locks l WHERE l.locktype = 'advisory' \
+         AND l.granted AND l.objsubid = 2 AND l.classid = 'outbox'::regclass::oid \
+         AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+    )
+    .load(&mut db.conn())
+    .expect("partition owners");
+    rows.into_iter().map(|o| (o.partition, o.pid)).collect()
+}
