@@ -24,10 +24,8 @@ use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::time::Duration;
 
-use async_nats::jetstream;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Bool, Nullable, Text, Uuid as SqlUuid};
-use futures_util::StreamExt;
 
 use super::{TestDb, TestStream};
 
@@ -182,50 +180,29 @@ fn database_events(db: &TestDb) -> Vec<DbEvent> {
 
 /// Every message of `stream`, in stream order.
 pub async fn read_messages(stream: &TestStream) -> Vec<StreamMessage> {
-    let js = stream.js().await;
-    let Ok(mut s) = js.get_stream(&stream.name).await else {
-        return Vec::new();
-    };
-    let total = s.info().await.expect("stream info").state.messages;
-    if total == 0 {
-        return Vec::new();
-    }
-    let consumer = s
-        .create_consumer(jetstream::consumer::pull::OrderedConfig::default())
+    super::read_raw(&stream.js().await, &stream.name)
         .await
-        .expect("an ordered consumer");
-    let mut messages = consumer.messages().await.expect("consume the stream");
-    let mut out = Vec::with_capacity(total as usize);
-    while (out.len() as u64) < total {
-        let m = tokio::time::timeout(Duration::from_secs(30), messages.next())
-            .await
-            .unwrap_or_else(|_| {
-                panic!(
-                    "reading the stream timed out after {} of {total}",
-                    out.len()
-                )
-            })
-            .expect("the stream ended early")
-            .expect("a message");
-        let headers = m.headers.clone().unwrap_or_default();
-        let get = |k: &str| headers.get(k).map(|v| v.as_str().to_owned());
-        let info = m.info().expect("JetStream metadata");
-        out.push(StreamMessage {
-            stream_seq: info.stream_sequence,
-            msg_id: get("Nats-Msg-Id").unwrap_or_default(),
-            aggregate: format!(
-                "{}/{}",
-                get("Outbox-Aggregate-Type").unwrap_or_default(),
-                get("Outbox-Aggregate-Id").unwrap_or_default()
-            ),
-            created_nanos: get("Outbox-Created-At")
-                .and_then(|t| chrono::DateTime::parse_from_rfc3339(&t).ok())
-                .and_then(|t| t.timestamp_nanos_opt())
-                .map(i128::from),
-            stored_nanos: info.published.unix_timestamp_nanos(),
-        });
-    }
-    out
+        .into_iter()
+        .map(|m| {
+            let headers = m.headers.clone().unwrap_or_default();
+            let get = |k: &str| headers.get(k).map(|v| v.as_str().to_owned());
+            let info = m.info().expect("JetStream metadata");
+            StreamMessage {
+                stream_seq: info.stream_sequence,
+                msg_id: get("Nats-Msg-Id").unwrap_or_default(),
+                aggregate: format!(
+                    "{}/{}",
+                    get("Outbox-Aggregate-Type").unwrap_or_default(),
+                    get("Outbox-Aggregate-Id").unwrap_or_default()
+                ),
+                created_nanos: get("Outbox-Created-At")
+                    .and_then(|t| chrono::DateTime::parse_from_rfc3339(&t).ok())
+                    .and_then(|t| t.timestamp_nanos_opt())
+                    .map(i128::from),
+                stored_nanos: info.published.unix_timestamp_nanos(),
+            }
+        })
+        .collect()
 }
 
 /// Reads the database and the whole stream and compares them.

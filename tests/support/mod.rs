@@ -177,7 +177,9 @@ pub struct Received {
     pub payload: serde_json::Value,
 }
 
-pub async fn read_stream(js: &jetstream::Context, stream: &str) -> Vec<Received> {
+/// Every message of `stream` as JetStream stored it, in stream order (an ordered consumer
+/// from the first message); empty when the stream does not exist.
+pub async fn read_raw(js: &jetstream::Context, stream: &str) -> Vec<jetstream::Message> {
     let Ok(mut s) = js.get_stream(stream).await else {
         return Vec::new();
     };
@@ -192,26 +194,41 @@ pub async fn read_stream(js: &jetstream::Context, stream: &str) -> Vec<Received>
     let mut messages = consumer.messages().await.expect("consume");
     let mut out = Vec::with_capacity(total as usize);
     while (out.len() as u64) < total {
-        let next = tokio::time::timeout(Duration::from_secs(10), messages.next())
+        let next = tokio::time::timeout(Duration::from_secs(30), messages.next())
             .await
-            .expect("reading the stream timed out")
+            .unwrap_or_else(|_| {
+                panic!(
+                    "reading the stream timed out after {} of {total}",
+                    out.len()
+                )
+            })
             .expect("stream ended")
             .expect("message");
-        let h = next.headers.clone().unwrap_or_default();
-        let get = |k: &str| h.get(k).map(|v| v.as_str().to_owned()).unwrap_or_default();
-        let info = next.info().expect("jetstream message info");
-        out.push(Received {
-            stream_seq: info.stream_sequence,
-            subject: next.subject.to_string(),
-            msg_id: get("Nats-Msg-Id"),
-            aggregate_type: get("Outbox-Aggregate-Type"),
-            aggregate_id: get("Outbox-Aggregate-Id"),
-            event_type: get("Outbox-Event-Type"),
-            payload: serde_json::from_slice(&next.payload).unwrap_or(serde_json::Value::Null),
-            headers: h.clone(),
-        });
+        out.push(next);
     }
     out
+}
+
+pub async fn read_stream(js: &jetstream::Context, stream: &str) -> Vec<Received> {
+    read_raw(js, stream)
+        .await
+        .into_iter()
+        .map(|next| {
+            let h = next.headers.clone().unwrap_or_default();
+            let get = |k: &str| h.get(k).map(|v| v.as_str().to_owned()).unwrap_or_default();
+            let info = next.info().expect("jetstream message info");
+            Received {
+                stream_seq: info.stream_sequence,
+                subject: next.subject.to_string(),
+                msg_id: get("Nats-Msg-Id"),
+                aggregate_type: get("Outbox-Aggregate-Type"),
+                aggregate_id: get("Outbox-Aggregate-Id"),
+                event_type: get("Outbox-Event-Type"),
+                payload: serde_json::from_slice(&next.payload).unwrap_or(serde_json::Value::Null),
+                headers: h.clone(),
+            }
+        })
+        .collect()
 }
 
 /// Polls `f` every 50 ms until it returns true; panics with `what` after `timeout`.
