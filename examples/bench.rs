@@ -53,9 +53,9 @@ struct Args {
     /// Events per throughput run.
     #[arg(long, default_value_t = 100_000)]
     events: usize,
-    /// Published rows kept for the poll-cost section.
-    #[arg(long, default_value_t = 1_000_000)]
-    kept: usize,
+    /// Published rows kept for the poll-cost section: each figure of the list in turn.
+    #[arg(long, value_delimiter = ',', default_value = "1000000,10000000")]
+    kept: Vec<usize>,
     /// Backlog drained for the memory section.
     #[arg(long, default_value_t = 1_000_000)]
     memory_backlog: usize,
@@ -103,7 +103,7 @@ async fn main() -> Result<()> {
     let mut args = Args::parse();
     if args.quick {
         args.events = 20_000;
-        args.kept = 200_000;
+        args.kept = vec![200_000];
         args.memory_backlog = 100_000;
         args.seconds = 3;
     }
@@ -219,18 +219,21 @@ impl Bench {
         Ok(())
     }
 
-    async fn published(&self, conn: &mut AsyncPgConnection) -> Result<i64> {
+    /// Whether unpublished rows are left. An `EXISTS` on the partial index: counting the
+    /// published rows instead would cost the database more than the relay's own queries.
+    async fn unpublished_left(&self, conn: &mut AsyncPgConnection) -> Result<bool> {
         use diesel_async::RunQueryDsl;
         #[derive(QueryableByName)]
-        struct C {
-            #[diesel(sql_type = diesel::sql_types::BigInt)]
-            c: i64,
+        struct E {
+            #[diesel(sql_type = diesel::sql_types::Bool)]
+            e: bool,
         }
-        let c: C =
-            diesel::sql_query("SELECT count(*) AS c FROM outbox WHERE published_at IS NOT NULL")
-                .get_result(conn)
-                .await?;
-        Ok(c.c)
+        let e: E = diesel::sql_query(
+            "SELECT EXISTS (SELECT 1 FROM outbox WHERE published_at IS NULL) AS e",
+        )
+        .get_result(conn)
+        .await?;
+        Ok(e.e)
     }
 
     /// Section 1.
@@ -241,13 +244,22 @@ impl Bench {
         println!("|---|---|---|");
         let baseline = self.raw_publish(n).await?;
         println!("| baseline: bare async-nats, 512 acks in flight | {baseline:.0} | 1.00 |");
-        let runs: Vec<(String, Mode, u32, u32, usize)> = vec![
+        let runs: Vec<(String, Mode, u32, u32, usize, bool)> = vec![
             (
                 "ordered, 1 partition, 1 relay".into(),
                 Mode::Ordered,
                 1,
                 1,
                 1,
+                false,
+            ),
+            (
+                "ordered, 1 partition, 1 relay, --delete-published".into(),
+                Mode::Ordered,
+                1,
+                1,
+                1,
+                true,
             ),
             (
                 "ordered, 4 partitions, 2 relays".into(),
@@ -255,6 +267,7 @@ impl Bench {
                 4,
                 1,
                 2,
+                false,
             ),
             (
                 "ordered, 8 partitions, 4 relays".into(),
@@ -262,6 +275,7 @@ impl Bench {
                 8,
                 1,
                 4,
+                false,
             ),
             (
                 "unordered, 4 workers, 1 relay".into(),
@@ -269,10 +283,13 @@ impl Bench {
                 1,
                 4,
                 1,
+                false,
             ),
         ];
-        for (name, mode, partitions, workers, relays) in runs {
-            let rate = self.relay_run(n, mode, partitions, workers, relays).await?;
+        for (name, mode, partitions, workers, relays, delete) in runs {
+            let rate = self
+                .relay_run(n, mode, partitions, workers, relays, delete)
+                .await?;
             println!("| {name} | {rate:.0} | {:.2} |", rate / baseline);
         }
         Ok(())
@@ -326,12 +343,14 @@ impl Bench {
         partitions: u32,
         workers: u32,
         relays: usize,
+        delete_published: bool,
     ) -> Result<f64> {
         self.reset_outbox()?;
         self.fill(n, false)?;
         let name = format!(
-            "BENCH_{}_{partitions}_{workers}_{relays}",
-            mode.to_string().to_uppercase()
+            "BENCH_{}_{partitions}_{workers}_{relays}_{}",
+            mode.to_string().to_uppercase(),
+            u8::from(delete_published)
         );
         let prefix = name.to_lowercase().replace('_', "");
         self.stream(&name, &prefix).await?;
@@ -345,11 +364,12 @@ impl Bench {
                 .subject_prefix(prefix.clone())
                 .mode(mode)
                 .partitions(partitions)
-                .workers(workers);
+                .workers(workers)
+                .delete_published(delete_published);
             tasks.push(tokio::spawn(Relay::new(config, nats).run(shutdown.clone())));
         }
         let mut conn = AsyncPgConnection::establish(&self.db_url).await?;
-        while self.published(&mut conn).await? < n as i64 {
+        while self.unpublished_left(&mut conn).await? {
             tokio::time::sleep(Duration::from_millis(10)).await;
             if start.elapsed() > Duration::from_secs(600) {
                 bail!("the relay did not drain {n} events in 10 minutes");
@@ -616,7 +636,6 @@ impl Bench {
 
     /// Section 4.
     async fn poll_cost(&mut self) -> Result<()> {
-        let kept = self.args.kept;
         println!("\n## 4. poll cost: the relay's fetch query, mean of 200 runs\n");
         println!(
             "| table | ms to find the oldest row (LIMIT 1) | ratio to empty | ms per batch of 500 |"
@@ -628,13 +647,20 @@ impl Bench {
             "| empty | {empty:.3} | 1.00 | {:.3} |",
             self.poll_time(500).await?
         );
-        self.fill(kept, true)?;
-        let with_kept = self.poll_time(1).await?;
-        println!(
-            "| {kept} published rows kept, none unpublished | {with_kept:.3} | {:.2} | {:.3} |",
-            with_kept / empty,
-            self.poll_time(500).await?
-        );
+        let mut kept = 0;
+        for target in self.args.kept.clone() {
+            if target <= kept {
+                continue;
+            }
+            self.fill_published(target - kept)?;
+            kept = target;
+            let t = self.poll_time(1).await?;
+            println!(
+                "| {kept} published rows kept, none unpublished | {t:.3} | {:.2} | {:.3} |",
+                t / empty,
+                self.poll_time(500).await?
+            );
+        }
         self.fill(100_000, false)?;
         let backlog = self.poll_time(1).await?;
         println!(
@@ -642,6 +668,27 @@ impl Bench {
             backlog / empty,
             self.poll_time(500).await?
         );
+        Ok(())
+    }
+
+    /// Adds `n` published rows the way a relay leaves them: inserted unpublished (so they
+    /// entered the partial index), then marked, then vacuumed as autovacuum would.
+    fn fill_published(&self, n: usize) -> Result<()> {
+        use diesel::RunQueryDsl;
+        let mut conn = PgConnection::establish(&self.db_url)?;
+        let chunk = 500_000;
+        let mut done = 0;
+        while done < n {
+            let m = chunk.min(n - done);
+            self.fill(m, false)?;
+            diesel::sql_query(
+                "UPDATE outbox SET published_at = now() - interval '1 hour' WHERE published_at IS NULL",
+            )
+            .execute(&mut conn)?;
+            diesel::sql_query("VACUUM outbox").execute(&mut conn)?;
+            done += m;
+        }
+        diesel::sql_query("VACUUM ANALYZE outbox").execute(&mut conn)?;
         Ok(())
     }
 
@@ -688,7 +735,7 @@ impl Bench {
         let start = Instant::now();
         let mut conn = AsyncPgConnection::establish(&self.db_url).await?;
         let mut peak_kb = 0u64;
-        while self.published(&mut conn).await? < n as i64 {
+        while self.unpublished_left(&mut conn).await? {
             peak_kb = peak_kb.max(vm_hwm_kb(child.id()).unwrap_or(0));
             tokio::time::sleep(Duration::from_millis(100)).await;
             if start.elapsed() > Duration::from_secs(900) {

@@ -97,6 +97,8 @@ struct FetchBatch<'a> {
     limit: i64,
     /// `aggregate_type.aggregate_id` of aggregates with a parked row
     held_back: &'a [String],
+    /// rows the caller already holds (sent, or acked and not yet marked)
+    exclude: &'a [i64],
     /// competing workers: lock the rows, skip rows others locked
     skip_locked: bool,
 }
@@ -129,6 +131,14 @@ impl QueryFragment<Pg> for FetchBatch<'_> {
             out.push_sql(" AND (o.aggregate_type || '.' || o.aggregate_id) <> ALL(");
             out.push_bind_param::<Array<Text>, _>(self.held_back)?;
             out.push_sql(")");
+        }
+        if !self.exclude.is_empty() {
+            out.push_sql(" AND o.seq <> ALL(");
+            out.push_bind_param::<Array<BigInt>, _>(self.exclude)?;
+            out.push_sql(")");
+            // planned with the array as a constant, PostgreSQL hashes it; a cached generic
+            // plan would compare every row with every element
+            out.unsafe_to_cache_prepared();
         }
         out.push_sql(" ORDER BY o.seq LIMIT ");
         out.push_bind_param::<BigInt, _>(&self.limit)?;
@@ -174,6 +184,37 @@ pub async fn fetch_partitions(
         count,
         limit,
         held_back,
+        exclude: &[],
+        skip_locked: false,
+    }
+    .load(conn)
+    .await
+}
+
+/// [`fetch_partitions`] leaving out the rows `exclude` (by `seq`): a relay that keeps
+/// publishing while it fetches passes the rows it already holds, sent and not yet marked. Each
+/// fetch reads from the oldest unpublished row, so a row that committed late, after later
+/// ones were fetched, is found by the next fetch, in `seq` order with the rows after it.
+#[tracing::instrument(name = "outbox.claim", level = "debug", skip_all, fields(outbox.table = %table, outbox.partitions = partitions.len(), outbox.held = exclude.len()))]
+pub async fn fetch_partitions_excluding(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    partitions: &[i32],
+    count: u32,
+    held_back: &[String],
+    exclude: &[i64],
+    limit: i64,
+) -> QueryResult<Vec<OutboxRow>> {
+    if partitions.is_empty() {
+        return Ok(Vec::new());
+    }
+    FetchBatch {
+        table,
+        partitions,
+        count,
+        limit,
+        held_back,
+        exclude,
         skip_locked: false,
     }
     .load(conn)
@@ -238,6 +279,7 @@ pub async fn claim_unpublished(
         count: 1,
         limit,
         held_back: &[],
+        exclude: &[],
         skip_locked: true,
     }
     .load(conn)
@@ -280,6 +322,28 @@ pub async fn mark_published(
         return Ok(0);
     }
     MarkPublished { table, seqs }.execute(conn).await
+}
+
+/// Deletes the rows `seqs` (those JetStream acked) instead of marking them: for a relay that
+/// keeps no published history, about a sixth of the database work of
+/// [`mark_published`] and the later cleanup together. Returns how many it deleted. Traced as
+/// the span `outbox.mark`.
+#[tracing::instrument(name = "outbox.mark", level = "debug", skip_all, fields(outbox.table = %table, batch.len = seqs.len()))]
+pub async fn delete_acked(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    seqs: &[i64],
+) -> QueryResult<usize> {
+    if seqs.is_empty() {
+        return Ok(0);
+    }
+    diesel::sql_query(format!(
+        "DELETE FROM {} WHERE seq = ANY($1)",
+        table.quoted()
+    ))
+    .bind::<Array<BigInt>, _>(seqs)
+    .execute(conn)
+    .await
 }
 
 /// Counts a failed publish of row `seq` with its error; parks the row (it is then skipped,
@@ -582,6 +646,7 @@ pub async fn explain_poll(
         count,
         limit,
         held_back: &[],
+        exclude: &[],
         skip_locked: false,
     };
     let lines: Vec<PlanLine> = Explain(fetch).load(conn).await?;

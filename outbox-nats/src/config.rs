@@ -117,6 +117,11 @@ pub struct RelayConfig {
     /// Rows deleted per statement by cleanup (default 5,000): each batch is one short
     /// transaction.
     pub cleanup_batch: usize,
+    /// Delete each row as soon as JetStream acked it instead of setting `published_at`
+    /// (default off; `ordered` and `unordered` modes). The table then holds only unpublished
+    /// rows: no published history for `status` or an archive, and the least database work
+    /// per event (a delete instead of an update and a later cleanup delete).
+    pub delete_published: bool,
     /// Move published rows into this table instead of deleting them (default `None`: delete).
     /// It needs the outbox's columns: `CREATE TABLE outbox_archive (LIKE outbox)`.
     pub archive_table: Option<OutboxTable>,
@@ -155,6 +160,7 @@ impl RelayConfig {
             retention: Duration::from_secs(300),
             cleanup_interval: Duration::from_secs(10),
             cleanup_batch: 5000,
+            delete_published: false,
             archive_table: None,
         }
     }
@@ -162,6 +168,12 @@ impl RelayConfig {
     /// Sets [`RelayConfig::retention`].
     pub fn retention(mut self, d: Duration) -> Self {
         self.retention = d;
+        self
+    }
+
+    /// Sets [`RelayConfig::delete_published`].
+    pub fn delete_published(mut self, on: bool) -> Self {
+        self.delete_published = on;
         self
     }
 
@@ -354,6 +366,16 @@ impl RelayConfig {
         }
         if self.cleanup && (self.cleanup_interval.is_zero() || self.cleanup_batch == 0) {
             return Err("--cleanup-interval and --cleanup-batch must be above 0".into());
+        }
+        if self.delete_published && self.archive_table.is_some() {
+            return Err(
+                "--delete-published deletes rows as they are acked, so nothing is left to move to --archive-table; pick one".into(),
+            );
+        }
+        if self.delete_published && self.mode == Mode::LogTailing {
+            return Err(
+                "--delete-published is for the polling modes; log tailing never marks rows (record with Outbox::delete_after_insert to keep its table empty)".into(),
+            );
         }
         if self.workers == 0 || self.workers > 256 {
             return Err(format!(

@@ -12,33 +12,41 @@
 //!   ([`Lease::is_valid`]), so a relay that wakes up after a pause stops before sending
 //!   anything a new owner may have taken over.
 
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
 
-/// When the session last proved alive.
+/// When the session last proved alive. Shared by the task that queries and the one that
+/// publishes, hence the lock.
 #[derive(Debug)]
 pub(crate) struct Lease {
     duration: Duration,
-    confirmed: Option<Instant>,
+    confirmed: Mutex<Option<Instant>>,
 }
 
 impl Lease {
     pub(crate) fn new(duration: Duration) -> Self {
         Lease {
             duration,
-            confirmed: None,
+            confirmed: Mutex::new(None),
         }
     }
 
     /// Records that a query that started at `at` succeeded.
-    pub(crate) fn confirm(&mut self, at: Instant) {
-        self.confirmed = Some(at);
+    pub(crate) fn confirm(&self, at: Instant) {
+        let mut confirmed = self.confirmed.lock().unwrap_or_else(|e| e.into_inner());
+        // queries overlap: keep the latest start that succeeded
+        if confirmed.is_none_or(|t| t < at) {
+            *confirmed = Some(at);
+        }
     }
 
     /// Whether the relay may still publish: its session answered within half the lease.
     pub(crate) fn is_valid(&self) -> bool {
         self.confirmed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
             .is_some_and(|t| t.elapsed() < self.duration / 2)
     }
 

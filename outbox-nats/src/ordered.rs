@@ -18,15 +18,15 @@ use std::time::Instant;
 
 use async_nats::jetstream;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
-use outbox_diesel::relay::{self as db, Partition};
+use outbox_diesel::relay::{self as db, OutboxRow, Partition};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::RelayConfig;
 use crate::lease::Lease;
 use crate::metrics as m;
-use crate::pipeline::{BatchEnd, publish_batch};
-use crate::relay::{Backoff, Health, idle, listen, settle};
+use crate::pipeline::{BatchEnd, Pipeline};
+use crate::relay::{Backoff, Health, idle, listen, retire, settle};
 
 pub(crate) struct Ordered {
     pub(crate) cfg: Arc<RelayConfig>,
@@ -90,7 +90,7 @@ impl Ordered {
     ) -> diesel::QueryResult<()> {
         let cfg = &self.cfg;
         let table = &cfg.table;
-        let mut lease = Lease::new(cfg.lease);
+        let lease = Lease::new(cfg.lease);
         lease.configure(conn).await?;
         let me: Pid = diesel::sql_query("SELECT pg_backend_pid() AS pid")
             .get_result(conn)
@@ -102,9 +102,17 @@ impl Ordered {
         let mut next_balance = Instant::now();
         let mut warned_conflict = false;
         let mut held_back: Vec<String> = Vec::new();
+        let mut pipe = Pipeline::new(&self.js, cfg, &lease, &self.shutdown);
+        // rows fetched and not marked yet: queued, in flight, or acked
+        let mut held: BTreeSet<i64> = BTreeSet::new();
+        // rows fetched and not sent yet, in `seq` order
+        let mut queue: Vec<OutboxRow> = Vec::new();
         while !self.shutdown.is_cancelled() {
             if Instant::now() >= next_balance {
-                self.balance(conn, me.pid, owned, &mut lease, &mut warned_conflict)
+                // a partition is released only once what was published from it is marked
+                self.flush(conn, &lease, &mut pipe, &mut held, &mut queue)
+                    .await?;
+                self.balance(conn, me.pid, owned, &lease, &mut warned_conflict)
                     .await?;
                 // parked rows change when this relay parks one, or when `retry` releases one
                 held_back = db::held_back_aggregates(conn, table).await?;
@@ -118,44 +126,73 @@ impl Ordered {
                 continue;
             }
             let partitions: Vec<i32> = owned.iter().map(|&p| p as i32).collect();
-            let started = Instant::now();
-            let rows = db::fetch_partitions(
-                conn,
-                table,
-                &partitions,
-                cfg.partitions,
-                &held_back,
-                cfg.batch_size as i64,
-            )
-            .await?;
-            lease.confirm(started);
-            if rows.is_empty() {
-                idle(conn, cfg, &self.shutdown, next_balance).await;
-                continue;
-            }
+            // one step: the queued rows are sent while the acked ones are marked and the next
+            // rows fetched, so that the NATS pipeline does not run dry during queries
+            let to_mark = pipe.take_acked();
+            let exclude: Vec<i64> = held.iter().copied().collect();
+            let sending = std::mem::take(&mut queue);
             let span = info_span!(
                 "outbox.batch",
-                batch.len = rows.len(),
+                batch.len = sending.len(),
                 outbox.partitions = owned.len()
             );
-            let (acked, end) = publish_batch(&self.js, cfg, &rows, &lease, &self.shutdown)
-                .instrument(span.clone())
-                .await;
-            let started = Instant::now();
-            let marked = db::mark_published(conn, table, &acked)
-                .instrument(span)
+            let queries = async {
+                let started = Instant::now();
+                let marked = retire(conn, cfg, &to_mark).await?;
+                let rows = db::fetch_partitions_excluding(
+                    conn,
+                    table,
+                    &partitions,
+                    cfg.partitions,
+                    &held_back,
+                    &exclude,
+                    cfg.batch_size as i64,
+                )
                 .await?;
-            lease.confirm(started);
-            debug!(acked = acked.len(), marked, "batch marked");
-            let parked = matches!(end, BatchEnd::RowFailed { .. });
-            if !settle(conn, cfg, end, backoff, &self.shutdown).await? {
-                break;
+                lease.confirm(started);
+                debug!(marked, fetched = rows.len(), "marked and fetched");
+                Ok::<_, diesel::result::Error>(rows)
+            };
+            let (fetched, _) =
+                tokio::join!(queries, pipe.send_all(&sending).instrument(span));
+            for seq in &to_mark {
+                held.remove(seq);
             }
-            if parked {
-                held_back = db::held_back_aggregates(conn, table).await?;
+            let fetched = fetched?;
+            if !fetched.is_empty() {
+                metrics::histogram!(m::BATCH_ROWS).record(fetched.len() as f64);
+            }
+            if pipe.stopped() || self.shutdown.is_cancelled() {
+                // a failed publish, a lease in doubt, or shutdown: nothing more is sent; what
+                // was sent is acked and marked, the rest is fetched again
+                self.flush(conn, &lease, &mut pipe, &mut held, &mut Vec::new())
+                    .await?;
+                held.clear();
+                let end = pipe.take_end();
+                let parked = matches!(end, BatchEnd::RowFailed { .. });
+                if !settle(conn, cfg, end, backoff, &self.shutdown).await? {
+                    break;
+                }
+                if parked {
+                    held_back = db::held_back_aggregates(conn, table).await?;
+                }
+                continue;
+            }
+            backoff.reset();
+            held.extend(fetched.iter().map(|r| r.seq));
+            queue = fetched;
+            if queue.is_empty() {
+                if pipe.is_empty() && held.is_empty() {
+                    idle(conn, cfg, &self.shutdown, next_balance).await;
+                } else {
+                    // caught up: let the last acks arrive, mark them on the next step
+                    pipe.drain().await;
+                }
             }
         }
-        // a clean stop: hand the partitions over at once
+        // a clean stop: mark what was published, then hand the partitions over at once
+        self.flush(conn, &lease, &mut pipe, &mut held, &mut Vec::new())
+            .await?;
         for &p in owned.iter() {
             db::unlock_partition(
                 conn,
@@ -174,13 +211,35 @@ impl Ordered {
         Ok(())
     }
 
+    /// Sends the queued rows (unless stopped), waits for every ack in flight and marks the
+    /// acked rows: afterwards this relay holds no row.
+    async fn flush(
+        &self,
+        conn: &mut AsyncPgConnection,
+        lease: &Lease,
+        pipe: &mut Pipeline<'_>,
+        held: &mut BTreeSet<i64>,
+        queue: &mut Vec<OutboxRow>,
+    ) -> diesel::QueryResult<()> {
+        pipe.send_all(queue).await;
+        queue.clear();
+        pipe.drain().await;
+        let acked = pipe.take_acked();
+        let started = Instant::now();
+        let marked = retire(conn, &self.cfg, &acked).await?;
+        lease.confirm(started);
+        debug!(acked = acked.len(), marked, "flushed");
+        held.clear();
+        Ok(())
+    }
+
     /// Keeps this relay's fair share of the partitions: releases extra ones, takes free ones.
     async fn balance(
         &self,
         conn: &mut AsyncPgConnection,
         me: i32,
         owned: &mut BTreeSet<u32>,
-        lease: &mut Lease,
+        lease: &Lease,
         warned_conflict: &mut bool,
     ) -> diesel::QueryResult<()> {
         let cfg = &self.cfg;

@@ -1,9 +1,11 @@
-//! Publishing one batch of rows: pipelined, in order, never two unacked messages of one
+//! Publishing rows: pipelined, in order, never two unacked messages of one
 //! aggregate at once, stopping at the first failure.
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
+use std::future::IntoFuture;
 
-use async_nats::jetstream::{self, context::PublishErrorKind};
+use async_nats::jetstream::context::{PublishError, PublishErrorKind};
+use async_nats::jetstream::{self, publish::PublishAck};
 use futures_util::StreamExt;
 use futures_util::stream::FuturesOrdered;
 use outbox_diesel::relay::OutboxRow;
@@ -33,12 +35,8 @@ pub(crate) enum BatchEnd {
     },
 }
 
-/// Publishes `rows` in order. Returns the `seq` of the acked rows and how it ended.
-///
-/// JetStream stores one connection's pipeline in send order, but a failed publish leaves a
-/// hole that its retry fills after the later messages: so a row is sent only when no earlier
-/// row of its aggregate waits for its ack, and nothing is sent after a failure.
-#[tracing::instrument(name = "outbox.publish", level = "debug", skip_all, fields(batch.len = rows.len()))]
+/// Publishes `rows` in order and waits for their acks. Returns the `seq` of the acked rows and
+/// how it ended.
 pub(crate) async fn publish_batch(
     js: &jetstream::Context,
     cfg: &RelayConfig,
@@ -47,94 +45,190 @@ pub(crate) async fn publish_batch(
     shutdown: &CancellationToken,
 ) -> (Vec<i64>, BatchEnd) {
     metrics::histogram!(m::BATCH_ROWS).record(rows.len() as f64);
-    let mut acked = Vec::with_capacity(rows.len());
-    let mut in_flight = FuturesOrdered::new();
-    let mut in_flight_aggregates: HashSet<(&str, &str)> = HashSet::new();
-    let mut end = BatchEnd::Done;
-    'rows: for (i, row) in rows.iter().enumerate() {
-        if shutdown.is_cancelled() {
-            break;
+    let mut pipe = Pipeline::new(js, cfg, lease, shutdown);
+    pipe.send_all(rows).await;
+    pipe.drain().await;
+    (pipe.take_acked(), pipe.take_end())
+}
+
+/// What is remembered of a sent row until its ack arrives.
+struct Sent {
+    seq: i64,
+    attempts: i32,
+    key: (String, String),
+    created_at: chrono::DateTime<chrono::Utc>,
+}
+
+type AckFuture =
+    <async_nats::jetstream::context::PublishAckFuture as std::future::IntoFuture>::IntoFuture;
+
+/// A window of publishes in flight on one connection that outlives a batch, so that the next
+/// rows are sent while the acks of the previous ones arrive.
+///
+/// JetStream stores one connection's pipeline in send order, but a failed publish leaves a
+/// hole that its retry fills after the later messages: so a row is sent only when no earlier
+/// row of its aggregate waits for its ack, and nothing is sent after a failure (or once the
+/// lease is in doubt, or at shutdown) until [`Pipeline::take_end`] resets it.
+pub(crate) struct Pipeline<'a> {
+    js: &'a jetstream::Context,
+    cfg: &'a RelayConfig,
+    lease: &'a Lease,
+    shutdown: &'a CancellationToken,
+    acks: FuturesOrdered<AckFuture>,
+    sent: VecDeque<Sent>,
+    keys: HashSet<(String, String)>,
+    acked: Vec<i64>,
+    end: Option<BatchEnd>,
+}
+
+impl<'a> Pipeline<'a> {
+    pub(crate) fn new(
+        js: &'a jetstream::Context,
+        cfg: &'a RelayConfig,
+        lease: &'a Lease,
+        shutdown: &'a CancellationToken,
+    ) -> Self {
+        Pipeline {
+            js,
+            cfg,
+            lease,
+            shutdown,
+            acks: FuturesOrdered::new(),
+            sent: VecDeque::new(),
+            keys: HashSet::new(),
+            acked: Vec::new(),
+            end: None,
         }
-        let key = (row.aggregate_type.as_str(), row.aggregate_id.as_str());
-        while in_flight_aggregates.contains(&key) || in_flight.len() >= cfg.max_in_flight {
-            let Some((j, result)) = in_flight.next().await else {
-                break;
-            };
-            let done: &OutboxRow = &rows[j];
-            in_flight_aggregates
-                .remove(&(done.aggregate_type.as_str(), done.aggregate_id.as_str()));
-            if let Some(failure) = on_ack(done, result, &mut acked) {
-                end = failure;
-                break 'rows;
+    }
+
+    /// Sends `rows` in order, stopping at the first that cannot be sent; `false` when it stopped.
+    #[tracing::instrument(name = "outbox.publish", level = "debug", skip_all, fields(batch.len = rows.len()))]
+    pub(crate) async fn send_all(&mut self, rows: &[OutboxRow]) -> bool {
+        for row in rows {
+            if !self.send(row).await {
+                return false;
             }
         }
-        if !lease.is_valid() {
-            // a paused or cut-off relay must not publish what a new owner may have taken
-            end = BatchEnd::LeaseUnconfirmed;
-            break;
+        true
+    }
+
+    /// Sends `row` once the window has room and no earlier row of its aggregate is unacked.
+    /// `false` when the pipeline has stopped: the row was not sent, nor will any later one be.
+    pub(crate) async fn send(&mut self, row: &OutboxRow) -> bool {
+        let key = (row.aggregate_type.clone(), row.aggregate_id.clone());
+        while self.end.is_none()
+            && !self.acks.is_empty()
+            && (self.keys.contains(&key) || self.acks.len() >= self.cfg.max_in_flight)
+        {
+            self.next_ack().await;
         }
-        let msg = match to_message(row, &cfg.subject_template, &cfg.subject_prefix) {
+        if self.end.is_some() || self.shutdown.is_cancelled() {
+            return false;
+        }
+        if !self.lease.is_valid() {
+            // a paused or cut-off relay must not publish what a new owner may have taken
+            self.end = Some(BatchEnd::LeaseUnconfirmed);
+            return false;
+        }
+        let msg = match to_message(row, &self.cfg.subject_template, &self.cfg.subject_prefix) {
             Ok(m) => m,
             Err(e) => {
                 metrics::counter!(m::PUBLISH_ERRORS, "kind" => "invalid_row").increment(1);
-                end = BatchEnd::RowFailed {
+                self.end = Some(BatchEnd::RowFailed {
                     seq: row.seq,
                     attempts: row.attempts,
                     error: e.to_string(),
                     park_now: true,
-                };
-                break;
+                });
+                return false;
             }
         };
         let publish = jetstream::message::PublishMessage::build()
             .payload(msg.payload)
             .headers(msg.headers);
-        match js.send_publish(msg.subject, publish).await {
+        match self.js.send_publish(msg.subject, publish).await {
             Ok(ack) => {
-                in_flight_aggregates.insert(key);
-                in_flight.push_back(async move { (i, ack.await) });
+                self.acks.push_back(ack.into_future());
+                self.sent.push_back(Sent {
+                    seq: row.seq,
+                    attempts: row.attempts,
+                    created_at: row.created_at,
+                    key: key.clone(),
+                });
+                self.keys.insert(key);
+                true
             }
             Err(e) => {
-                end = classify(row, &e);
-                break;
+                self.end = Some(classify(row.seq, row.attempts, &e));
+                false
             }
         }
     }
-    while let Some((j, result)) = in_flight.next().await {
-        if let Some(failure) = on_ack(&rows[j], result, &mut acked)
-            && matches!(end, BatchEnd::Done | BatchEnd::LeaseUnconfirmed)
-        {
-            end = failure;
-        }
-    }
-    (acked, end)
-}
 
-fn on_ack(
-    row: &OutboxRow,
-    result: Result<jetstream::publish::PublishAck, jetstream::context::PublishError>,
-    acked: &mut Vec<i64>,
-) -> Option<BatchEnd> {
-    match result {
-        Ok(ack) => {
-            acked.push(row.seq);
-            metrics::counter!(m::EVENTS_PUBLISHED).increment(1);
-            if ack.duplicate {
-                metrics::counter!(m::DUPLICATES).increment(1);
-            }
-            let latency = (chrono::Utc::now() - row.created_at)
-                .to_std()
-                .unwrap_or_default();
-            metrics::histogram!(m::COMMIT_TO_ACK).record(latency.as_secs_f64());
-            None
+    /// Waits for the oldest ack in flight, if any.
+    async fn next_ack(&mut self) {
+        if let Some(result) = self.acks.next().await
+            && let Some(sent) = self.sent.pop_front()
+        {
+            self.on_ack(sent, result);
         }
-        Err(e) => Some(classify(row, &e)),
+    }
+
+    /// Waits for every ack in flight.
+    pub(crate) async fn drain(&mut self) {
+        while !self.acks.is_empty() {
+            self.next_ack().await;
+        }
+    }
+
+    /// Nothing in flight.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.acks.is_empty()
+    }
+
+    /// Whether a failure, a lease in doubt or shutdown stopped the sending.
+    pub(crate) fn stopped(&self) -> bool {
+        self.end.is_some()
+    }
+
+    /// The `seq` of the rows acked since the last call, to be marked.
+    pub(crate) fn take_acked(&mut self) -> Vec<i64> {
+        std::mem::take(&mut self.acked)
+    }
+
+    /// How the sending ended (`Done` when it did not stop), and lets it send again.
+    pub(crate) fn take_end(&mut self) -> BatchEnd {
+        self.end.take().unwrap_or(BatchEnd::Done)
+    }
+
+    fn on_ack(&mut self, sent: Sent, result: Result<PublishAck, PublishError>) {
+        self.keys.remove(&sent.key);
+        match result {
+            Ok(ack) => {
+                self.acked.push(sent.seq);
+                metrics::counter!(m::EVENTS_PUBLISHED).increment(1);
+                if ack.duplicate {
+                    metrics::counter!(m::DUPLICATES).increment(1);
+                }
+                let latency = (chrono::Utc::now() - sent.created_at)
+                    .to_std()
+                    .unwrap_or_default();
+                metrics::histogram!(m::COMMIT_TO_ACK).record(latency.as_secs_f64());
+            }
+            Err(e) => {
+                let failure = classify(sent.seq, sent.attempts, &e);
+                // the first failure is the one to report; a row failure outranks a lease stop
+                if matches!(self.end, None | Some(BatchEnd::LeaseUnconfirmed)) {
+                    self.end = Some(failure);
+                }
+            }
+        }
     }
 }
 
 /// Sorts a publish error into "about this row" (counted, parked after enough attempts) and
 /// "about NATS" (retried after a backoff, never counted against the row).
-fn classify(row: &OutboxRow, e: &jetstream::context::PublishError) -> BatchEnd {
+fn classify(seq: i64, attempts: i32, e: &PublishError) -> BatchEnd {
     let api_error = std::error::Error::source(e)
         .and_then(|s| s.downcast_ref::<jetstream::Error>())
         .is_some();
@@ -149,13 +243,13 @@ fn classify(row: &OutboxRow, e: &jetstream::context::PublishError) -> BatchEnd {
     metrics::counter!(m::PUBLISH_ERRORS, "kind" => kind).increment(1);
     if permanent {
         BatchEnd::RowFailed {
-            seq: row.seq,
-            attempts: row.attempts,
+            seq,
+            attempts,
             error: e.to_string(),
             park_now: matches!(e.kind(), PublishErrorKind::MaxPayloadExceeded),
         }
     } else {
-        warn!(outbox.seq = row.seq, error = %e, kind, "publish failed; the batch stops here and is retried");
+        warn!(outbox.seq = seq, error = %e, kind, "publish failed; the batch stops here and is retried");
         BatchEnd::Transient
     }
 }

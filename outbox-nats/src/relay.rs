@@ -392,6 +392,20 @@ pub(crate) async fn idle(
 
 /// Acts on how a batch ended: counts and parks a failing row, backs off after a failure.
 /// `false` when shut down meanwhile.
+/// Records that JetStream acked `seqs`: marks them published, or deletes them with
+/// [`RelayConfig::delete_published`].
+pub(crate) async fn retire(
+    conn: &mut AsyncPgConnection,
+    cfg: &RelayConfig,
+    seqs: &[i64],
+) -> diesel::QueryResult<usize> {
+    if cfg.delete_published {
+        db::delete_acked(conn, &cfg.table, seqs).await
+    } else {
+        db::mark_published(conn, &cfg.table, seqs).await
+    }
+}
+
 pub(crate) async fn settle(
     conn: &mut AsyncPgConnection,
     cfg: &RelayConfig,

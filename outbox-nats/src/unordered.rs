@@ -18,7 +18,7 @@ use tracing::{Instrument, info_span, warn};
 use crate::RelayConfig;
 use crate::lease::Lease;
 use crate::pipeline::{BatchEnd, publish_batch};
-use crate::relay::{Backoff, Health, idle, listen, settle};
+use crate::relay::{Backoff, Health, idle, listen, retire, settle};
 
 pub(crate) struct Unordered {
     pub(crate) cfg: Arc<RelayConfig>,
@@ -82,7 +82,7 @@ impl Unordered {
                     let (acked, end) = publish_batch(js, cfg, &rows, lease, shutdown)
                         .instrument(span)
                         .await;
-                    db::mark_published(conn, &cfg.table, &acked).await?;
+                    retire(conn, cfg, &acked).await?;
                     Ok(Some(end))
                 })
                 .await?;

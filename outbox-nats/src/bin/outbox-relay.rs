@@ -73,6 +73,10 @@ struct CleanupArgs {
     /// Do not delete published rows (another relay or a cron job does).
     #[arg(long, env = "OUTBOX_NO_CLEANUP")]
     no_cleanup: bool,
+    /// Delete each row as soon as JetStream acked it instead of marking it published: no
+    /// published history, the least database work per event.
+    #[arg(long, env = "OUTBOX_DELETE_PUBLISHED", conflicts_with = "archive_table")]
+    delete_published: bool,
     /// Move published rows into this table instead of deleting them.
     #[arg(long, env = "OUTBOX_ARCHIVE_TABLE")]
     archive_table: Option<OutboxTable>,
@@ -353,6 +357,7 @@ async fn run(args: RunArgs) -> ExitCode {
     config.stall_after = args.stall_after;
     config.stats_interval = args.stats_interval;
     config.cleanup = !args.cleanup.no_cleanup;
+    config.delete_published = args.cleanup.delete_published;
     config.retention = args.cleanup.retention;
     config.cleanup_interval = args.cleanup.cleanup_interval;
     config.cleanup_batch = args.cleanup.cleanup_batch;
