@@ -62,9 +62,16 @@ struct Args {
     /// Seconds per write-path measurement.
     #[arg(long, default_value_t = 5)]
     seconds: u64,
-    /// A smaller run: 20k events, 200k kept rows, 100k backlog, 3 s per write-path figure.
+    /// A smaller run: 20k events once each, 200k kept rows, 100k backlog, 3 s per write-path
+    /// figure.
     #[arg(long)]
     quick: bool,
+    /// Runs of each throughput figure (each after its own baseline); the median is printed.
+    #[arg(long, default_value_t = 3)]
+    repeat: usize,
+    /// The relays' `--batch-size` in sections 1 and 2.
+    #[arg(long, default_value_t = 500)]
+    batch_size: usize,
     /// Only these sections (1-5), comma-separated.
     #[arg(long, value_delimiter = ',')]
     only: Vec<u8>,
@@ -77,6 +84,19 @@ struct OrderPlaced {
     order_id: String,
     customer: String,
     note: String,
+}
+
+/// The middle value (the mean of the middle two for an even count).
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let m = v.len() / 2;
+    if v.is_empty() {
+        0.0
+    } else if v.len().is_multiple_of(2) {
+        (v[m - 1] + v[m]) / 2.0
+    } else {
+        v[m]
+    }
 }
 
 /// About 300 bytes of JSON.
@@ -104,6 +124,7 @@ async fn main() -> Result<()> {
     if args.quick {
         args.events = 20_000;
         args.kept = vec![200_000];
+        args.repeat = 1;
         args.memory_backlog = 100_000;
         args.seconds = 3;
     }
@@ -239,46 +260,75 @@ impl Bench {
     /// Section 1.
     async fn throughput(&mut self) -> Result<()> {
         let n = self.args.events;
+        let repeat = self.args.repeat.max(1);
         println!("\n## 1. relay throughput ({n} events of ~300 B, file storage, dedup on)\n");
-        println!("| run | events/s | ratio to baseline |");
-        println!("|---|---|---|");
-        let baseline = self.raw_publish(n).await?;
-        println!("| baseline: bare async-nats, 512 acks in flight | {baseline:.0} | 1.00 |");
-        let runs: Vec<(String, Mode, u32, u32, usize, bool)> = vec![
-            (
-                "ordered, 1 partition, 1 relay".into(),
+        println!(
+            "Each run follows its own baseline (a bare async-nats publisher, same messages, 512 acks \
+             in flight); median of {repeat}.\n"
+        );
+        println!(
+            "| run | events/s | baseline events/s | ratio to baseline | CPU µs per event: PostgreSQL / nats-server / relay | baseline: nats-server / publisher |"
+        );
+        println!("|---|---|---|---|---|---|");
+        struct Run {
+            name: &'static str,
+            mode: Mode,
+            partitions: u32,
+            workers: u32,
+            relays: usize,
+            delete: bool,
+        }
+        let run = |name, mode, partitions, workers, relays, delete| Run {
+            name,
+            mode,
+            partitions,
+            workers,
+            relays,
+            delete,
+        };
+        let runs = [
+            run(
+                "ordered, 1 partition, 1 relay",
                 Mode::Ordered,
                 1,
                 1,
                 1,
                 false,
             ),
-            (
-                "ordered, 1 partition, 1 relay, --delete-published".into(),
+            run(
+                "ordered, 1 partition, 1 relay, --delete-published",
                 Mode::Ordered,
                 1,
                 1,
                 1,
                 true,
             ),
-            (
-                "ordered, 4 partitions, 2 relays".into(),
+            run(
+                "ordered, 4 partitions, 2 relays",
                 Mode::Ordered,
                 4,
                 1,
                 2,
                 false,
             ),
-            (
-                "ordered, 8 partitions, 4 relays".into(),
+            run(
+                "ordered, 4 partitions, 2 relays, --delete-published",
+                Mode::Ordered,
+                4,
+                1,
+                2,
+                true,
+            ),
+            run(
+                "ordered, 8 partitions, 4 relays",
                 Mode::Ordered,
                 8,
                 1,
                 4,
                 false,
             ),
-            (
-                "unordered, 4 workers, 1 relay".into(),
+            run(
+                "unordered, 4 workers, 1 relay",
                 Mode::Unordered,
                 1,
                 4,
@@ -286,19 +336,45 @@ impl Bench {
                 false,
             ),
         ];
-        for (name, mode, partitions, workers, relays, delete) in runs {
-            let rate = self
-                .relay_run(n, mode, partitions, workers, relays, delete)
-                .await?;
-            println!("| {name} | {rate:.0} | {:.2} |", rate / baseline);
+        for r in runs {
+            let mut rates = Vec::new();
+            let mut baselines = Vec::new();
+            let mut ratios = Vec::new();
+            let mut cpu = Vec::new();
+            let mut base_cpu = Vec::new();
+            for _ in 0..repeat {
+                let (baseline, b) = self.raw_publish(n).await?;
+                let (rate, c) = self
+                    .relay_run(n, r.mode, r.partitions, r.workers, r.relays, r.delete)
+                    .await?;
+                rates.push(rate);
+                baselines.push(baseline);
+                ratios.push(rate / baseline);
+                cpu.push(c);
+                base_cpu.push(b);
+            }
+            let (c, b) = (CpuUse::median(&cpu), CpuUse::median(&base_cpu));
+            println!(
+                "| {} | {:.0} | {:.0} | {:.2} | {:.1} / {:.1} / {:.1} | {:.1} / {:.1} |",
+                r.name,
+                median(&mut rates),
+                median(&mut baselines),
+                median(&mut ratios),
+                c.postgres,
+                c.nats,
+                c.own,
+                b.nats,
+                b.own
+            );
         }
         Ok(())
     }
 
-    async fn raw_publish(&mut self, n: usize) -> Result<f64> {
+    async fn raw_publish(&mut self, n: usize) -> Result<(f64, CpuUse)> {
         let (name, prefix) = ("BENCH_RAW", "benchraw");
         self.stream(name, prefix).await?;
         let payload = bytes::Bytes::from(serde_json::to_vec(&event(0))?);
+        let cpu_before = cpu_snapshot();
         let start = Instant::now();
         let mut in_flight = FuturesUnordered::new();
         for i in 0..n {
@@ -333,7 +409,8 @@ impl Bench {
         while let Some(r) = in_flight.next().await {
             r?;
         }
-        Ok(n as f64 / start.elapsed().as_secs_f64())
+        let rate = n as f64 / start.elapsed().as_secs_f64();
+        Ok((rate, CpuUse::between(&cpu_before, &cpu_snapshot(), n)))
     }
 
     async fn relay_run(
@@ -344,7 +421,7 @@ impl Bench {
         workers: u32,
         relays: usize,
         delete_published: bool,
-    ) -> Result<f64> {
+    ) -> Result<(f64, CpuUse)> {
         self.reset_outbox()?;
         self.fill(n, false)?;
         let name = format!(
@@ -355,6 +432,7 @@ impl Bench {
         let prefix = name.to_lowercase().replace('_', "");
         self.stream(&name, &prefix).await?;
         let shutdown = CancellationToken::new();
+        let cpu_before = cpu_snapshot();
         let start = Instant::now();
         let mut tasks = Vec::new();
         for _ in 0..relays {
@@ -365,6 +443,7 @@ impl Bench {
                 .mode(mode)
                 .partitions(partitions)
                 .workers(workers)
+                .batch_size(self.args.batch_size)
                 .delete_published(delete_published);
             tasks.push(tokio::spawn(Relay::new(config, nats).run(shutdown.clone())));
         }
@@ -376,11 +455,13 @@ impl Bench {
             }
         }
         let rate = n as f64 / start.elapsed().as_secs_f64();
+        // before the relays' sessions end and take their backends' figures with them
+        let cpu = CpuUse::between(&cpu_before, &cpu_snapshot(), n);
         shutdown.cancel();
         for t in tasks {
             t.await??;
         }
-        Ok(rate)
+        Ok((rate, cpu))
     }
 
     /// Section 2.
@@ -416,7 +497,8 @@ impl Bench {
         let config = RelayConfig::new(self.db_url.clone())
             .stream(name.clone())
             .subject_prefix(prefix.clone())
-            .listen(listen);
+            .listen(listen)
+            .batch_size(self.args.batch_size);
         let relay = tokio::spawn(Relay::new(config, nats).run(shutdown.clone()));
         tokio::time::sleep(Duration::from_millis(500)).await;
         let duration = Duration::from_secs(self.args.seconds.max(3));
@@ -506,30 +588,37 @@ impl Bench {
         let mut conn = PgConnection::establish(&self.db_url)?;
         diesel::sql_query("CREATE TABLE IF NOT EXISTS bench_orders (id bigserial PRIMARY KEY, customer text NOT NULL, note text NOT NULL)")
             .execute(&mut conn)?;
+        let repeat = self.args.repeat.max(1);
+        println!("Rounds of every kind in turn; median of {repeat} rounds, each ratio against the");
+        println!("hand-written insert of its own round.\n");
         println!("| transaction | tx/s | ratio to hand-written insert |");
         println!("|---|---|---|");
-        let alone = self.writers(WriteKind::BusinessOnly, secs)?;
-        let hand = self.writers(WriteKind::HandWritten, secs)?;
-        let record = self.writers(WriteKind::RecordEvent, secs)?;
-        let notify_all = self.writers(WriteKind::RecordEventNotifyEveryCommit, secs)?;
-        let record_async = self.writers_async(secs).await?;
-        println!(
-            "| business INSERT alone | {alone:.0} | {:.2} |",
-            alone / hand
-        );
-        println!("| + hand-written Diesel INSERT of the outbox row | {hand:.0} | 1.00 |");
-        println!(
-            "| + `record_event` (sync, default debounced NOTIFY) | {record:.0} | {:.2} |",
-            record / hand
-        );
-        println!(
-            "| + `record_event` (async, default debounced NOTIFY) | {record_async:.0} | {:.2} |",
-            record_async / hand
-        );
-        println!(
-            "| + `record_event` with NOTIFY on every commit | {notify_all:.0} | {:.2} |",
-            notify_all / hand
-        );
+        // per kind: tx/s of each round, ratio of each round
+        let mut figures: Vec<(Vec<f64>, Vec<f64>)> = vec![(Vec::new(), Vec::new()); 5];
+        for _ in 0..repeat {
+            let hand = self.writers(WriteKind::HandWritten, secs)?;
+            let round = [
+                self.writers(WriteKind::BusinessOnly, secs)?,
+                hand,
+                self.writers(WriteKind::RecordEvent, secs)?,
+                self.writers_async(secs).await?,
+                self.writers(WriteKind::RecordEventNotifyEveryCommit, secs)?,
+            ];
+            for (k, tps) in round.into_iter().enumerate() {
+                figures[k].0.push(tps);
+                figures[k].1.push(tps / hand);
+            }
+        }
+        let names = [
+            "business INSERT alone",
+            "+ hand-written Diesel INSERT of the outbox row",
+            "+ `record_event` (sync, default debounced NOTIFY)",
+            "+ `record_event` (async, default debounced NOTIFY)",
+            "+ `record_event` with NOTIFY on every commit",
+        ];
+        for (name, (tps, ratios)) in names.iter().zip(figures.iter_mut()) {
+            println!("| {name} | {:.0} | {:.2} |", median(tps), median(ratios));
+        }
         Ok(())
     }
 
@@ -636,7 +725,7 @@ impl Bench {
 
     /// Section 4.
     async fn poll_cost(&mut self) -> Result<()> {
-        println!("\n## 4. poll cost: the relay's fetch query, mean of 200 runs\n");
+        println!("\n## 4. poll cost: the relay's fetch query, median of 200 runs\n");
         println!(
             "| table | ms to find the oldest row (LIMIT 1) | ratio to empty | ms per batch of 500 |"
         );
@@ -692,6 +781,7 @@ impl Bench {
         Ok(())
     }
 
+    /// The median of 200 runs of the fetch, in ms.
     async fn poll_time(&self, limit: i64) -> Result<f64> {
         let mut conn = AsyncPgConnection::establish(&self.db_url).await?;
         outbox_diesel::relay::prepare_session(&mut conn).await?;
@@ -700,11 +790,13 @@ impl Bench {
         for _ in 0..20 {
             outbox_diesel::relay::fetch_unpublished(&mut conn, &table, part, &[], limit).await?;
         }
-        let start = Instant::now();
+        let mut times = Vec::with_capacity(200);
         for _ in 0..200 {
+            let start = Instant::now();
             outbox_diesel::relay::fetch_unpublished(&mut conn, &table, part, &[], limit).await?;
+            times.push(start.elapsed().as_secs_f64() * 1000.0);
         }
-        Ok(start.elapsed().as_secs_f64() * 1000.0 / 200.0)
+        Ok(median(&mut times))
     }
 
     /// Section 5.
@@ -730,7 +822,8 @@ impl Bench {
             .args(["run", "--stream", name, "--subject-prefix", prefix])
             .env("DATABASE_URL", &self.db_url)
             .env("NATS_URL", &self.args.nats_url)
-            .env("RUST_LOG", "warn")
+            // the backlog is old on purpose: no stall warnings in the figures
+            .env("RUST_LOG", "error")
             .spawn()?;
         let start = Instant::now();
         let mut conn = AsyncPgConnection::establish(&self.db_url).await?;
@@ -766,6 +859,78 @@ enum WriteKind {
     HandWritten,
     RecordEvent,
     RecordEventNotifyEveryCommit,
+}
+
+/// CPU seconds used so far by every process: pid → (command name, seconds).
+fn cpu_snapshot() -> HashMap<u32, (String, f64)> {
+    let mut out = HashMap::new();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for entry in dir.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // `pid (comm) state ...`: the name may hold spaces, so split at the last `)`
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let comm = stat[open + 1..close].to_owned();
+        let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+        // utime and stime are fields 14 and 15; `fields` starts at field 3; USER_HZ is 100
+        let ticks = |i: usize| {
+            fields
+                .get(i)
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or(0.0)
+        };
+        out.insert(pid, (comm, (ticks(11) + ticks(12)) / 100.0));
+    }
+    out
+}
+
+/// CPU µs per event spent by PostgreSQL, nats-server and this process (the relay or the
+/// publisher) between two snapshots.
+#[derive(Clone, Copy, Default)]
+struct CpuUse {
+    postgres: f64,
+    nats: f64,
+    own: f64,
+}
+
+impl CpuUse {
+    fn between(
+        before: &HashMap<u32, (String, f64)>,
+        after: &HashMap<u32, (String, f64)>,
+        events: usize,
+    ) -> Self {
+        let me = std::process::id();
+        let mut u = CpuUse::default();
+        for (pid, (comm, secs)) in after {
+            let used = secs - before.get(pid).map_or(0.0, |b| b.1);
+            let per_event = used * 1e6 / events.max(1) as f64;
+            if *pid == me {
+                u.own += per_event;
+            } else if comm == "postgres" {
+                u.postgres += per_event;
+            } else if comm == "nats-server" {
+                u.nats += per_event;
+            }
+        }
+        u
+    }
+
+    fn median(all: &[CpuUse]) -> CpuUse {
+        let pick = |f: fn(&CpuUse) -> f64| median(&mut all.iter().map(f).collect::<Vec<_>>());
+        CpuUse {
+            postgres: pick(|c| c.postgres),
+            nats: pick(|c| c.nats),
+            own: pick(|c| c.own),
+        }
+    }
 }
 
 fn vm_hwm_kb(pid: u32) -> Option<u64> {

@@ -6,10 +6,17 @@
 //! reads every partition it owns with one query, so that losing the session loses every lease
 //! at once. Every `balance_interval` a relay counts the live relays of the table in
 //! `pg_locks`, keeps its share of the partitions (N / relays, the oldest relays one more when
-//! it does not divide), releases the extra ones between batches
-//! (after marking what it published) and takes free ones. A relay that starts with another
-//! partition count than an older running one waits until that one is gone: two partition
-//! counts at once would let two relays publish one aggregate.
+//! it does not divide), releases the extra ones once the acks in flight have arrived and their
+//! rows are marked, and takes free ones. A relay that starts with another partition count than
+//! an older running one waits until that one is gone: two partition counts at once would let
+//! two relays publish one aggregate.
+//!
+//! Publishing is a sequence of steps that keep the NATS pipeline full: in each step the rows
+//! fetched by the previous one are sent while the same session marks the rows acked so far and
+//! fetches the next batch, leaving out the rows the relay holds (queued, in flight, acked and
+//! not marked). Every fetch reads from the oldest unpublished row, so a transaction that
+//! commits after later rows were fetched is found by the next fetch, before the later rows of
+//! its aggregate (which, its writes being serialised, commit after it).
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -102,17 +109,14 @@ impl Ordered {
         let mut next_balance = Instant::now();
         let mut warned_conflict = false;
         let mut held_back: Vec<String> = Vec::new();
-        let mut pipe = Pipeline::new(&self.js, cfg, &lease, &self.shutdown);
-        // rows fetched and not marked yet: queued, in flight, or acked
-        let mut held: BTreeSet<i64> = BTreeSet::new();
-        // rows fetched and not sent yet, in `seq` order
-        let mut queue: Vec<OutboxRow> = Vec::new();
+        let mut holding = Holding {
+            pipe: Pipeline::new(&self.js, cfg, &lease, &self.shutdown),
+            held: BTreeSet::new(),
+            queue: Vec::new(),
+        };
         while !self.shutdown.is_cancelled() {
             if Instant::now() >= next_balance {
-                // a partition is released only once what was published from it is marked
-                self.flush(conn, &lease, &mut pipe, &mut held, &mut queue)
-                    .await?;
-                self.balance(conn, me.pid, owned, &lease, &mut warned_conflict)
+                self.balance(conn, me.pid, owned, &mut holding, &mut warned_conflict)
                     .await?;
                 // parked rows change when this relay parks one, or when `retry` releases one
                 held_back = db::held_back_aggregates(conn, table).await?;
@@ -128,9 +132,10 @@ impl Ordered {
             let partitions: Vec<i32> = owned.iter().map(|&p| p as i32).collect();
             // one step: the queued rows are sent while the acked ones are marked and the next
             // rows fetched, so that the NATS pipeline does not run dry during queries
+            let Holding { pipe, held, queue } = &mut holding;
             let to_mark = pipe.take_acked();
             let exclude: Vec<i64> = held.iter().copied().collect();
-            let sending = std::mem::take(&mut queue);
+            let sending = std::mem::take(queue);
             let span = info_span!(
                 "outbox.batch",
                 batch.len = sending.len(),
@@ -153,8 +158,7 @@ impl Ordered {
                 debug!(marked, fetched = rows.len(), "marked and fetched");
                 Ok::<_, diesel::result::Error>(rows)
             };
-            let (fetched, _) =
-                tokio::join!(queries, pipe.send_all(&sending).instrument(span));
+            let (fetched, _) = tokio::join!(queries, pipe.send_all(&sending).instrument(span));
             for seq in &to_mark {
                 held.remove(seq);
             }
@@ -165,10 +169,8 @@ impl Ordered {
             if pipe.stopped() || self.shutdown.is_cancelled() {
                 // a failed publish, a lease in doubt, or shutdown: nothing more is sent; what
                 // was sent is acked and marked, the rest is fetched again
-                self.flush(conn, &lease, &mut pipe, &mut held, &mut Vec::new())
-                    .await?;
-                held.clear();
-                let end = pipe.take_end();
+                holding.flush(conn).await?;
+                let end = holding.pipe.take_end();
                 let parked = matches!(end, BatchEnd::RowFailed { .. });
                 if !settle(conn, cfg, end, backoff, &self.shutdown).await? {
                     break;
@@ -180,7 +182,7 @@ impl Ordered {
             }
             backoff.reset();
             held.extend(fetched.iter().map(|r| r.seq));
-            queue = fetched;
+            *queue = fetched;
             if queue.is_empty() {
                 if pipe.is_empty() && held.is_empty() {
                     idle(conn, cfg, &self.shutdown, next_balance).await;
@@ -191,8 +193,7 @@ impl Ordered {
             }
         }
         // a clean stop: mark what was published, then hand the partitions over at once
-        self.flush(conn, &lease, &mut pipe, &mut held, &mut Vec::new())
-            .await?;
+        holding.flush(conn).await?;
         for &p in owned.iter() {
             db::unlock_partition(
                 conn,
@@ -211,42 +212,20 @@ impl Ordered {
         Ok(())
     }
 
-    /// Sends the queued rows (unless stopped), waits for every ack in flight and marks the
-    /// acked rows: afterwards this relay holds no row.
-    async fn flush(
-        &self,
-        conn: &mut AsyncPgConnection,
-        lease: &Lease,
-        pipe: &mut Pipeline<'_>,
-        held: &mut BTreeSet<i64>,
-        queue: &mut Vec<OutboxRow>,
-    ) -> diesel::QueryResult<()> {
-        pipe.send_all(queue).await;
-        queue.clear();
-        pipe.drain().await;
-        let acked = pipe.take_acked();
-        let started = Instant::now();
-        let marked = retire(conn, &self.cfg, &acked).await?;
-        lease.confirm(started);
-        debug!(acked = acked.len(), marked, "flushed");
-        held.clear();
-        Ok(())
-    }
-
     /// Keeps this relay's fair share of the partitions: releases extra ones, takes free ones.
     async fn balance(
         &self,
         conn: &mut AsyncPgConnection,
         me: i32,
         owned: &mut BTreeSet<u32>,
-        lease: &Lease,
+        holding: &mut Holding<'_>,
         warned_conflict: &mut bool,
     ) -> diesel::QueryResult<()> {
         let cfg = &self.cfg;
         let n = cfg.partitions;
         let started = Instant::now();
         let members = db::members(conn, &cfg.table).await?;
-        lease.confirm(started);
+        holding.pipe.lease().confirm(started);
         let my_start = members
             .iter()
             .find(|m| m.pid == me)
@@ -266,7 +245,11 @@ impl Ordered {
                 );
                 *warned_conflict = true;
             }
-            self.release(conn, owned, owned.len()).await?;
+            if !owned.is_empty() {
+                // a partition is released only once what was published from it is marked
+                holding.flush(conn).await?;
+                self.release(conn, owned, owned.len()).await?;
+            }
             self.set_owned(owned);
             return Ok(());
         }
@@ -282,6 +265,7 @@ impl Ordered {
         let fair = n as usize / count + usize::from(rank < n as usize % count);
         if owned.len() > fair {
             let extra = owned.len() - fair;
+            holding.flush(conn).await?;
             self.release(conn, owned, extra).await?;
         } else if owned.len() < fair {
             // start where this relay's share would begin, to spread the first attempts
@@ -333,6 +317,31 @@ impl Ordered {
         if !victims.is_empty() {
             info!(partitions = ?victims, owned = owned.len(), "partitions released to balance with other relays");
         }
+        Ok(())
+    }
+}
+
+/// What a relay holds between steps: the pipeline, the rows fetched and not retired yet
+/// (queued, in flight, or acked), and the queue of fetched rows not sent yet, in `seq` order.
+struct Holding<'a> {
+    pipe: Pipeline<'a>,
+    held: BTreeSet<i64>,
+    queue: Vec<OutboxRow>,
+}
+
+impl Holding<'_> {
+    /// Sends the queued rows (unless stopped), waits for every ack in flight and retires the
+    /// acked rows: afterwards the relay holds no row, and may hand a partition over.
+    async fn flush(&mut self, conn: &mut AsyncPgConnection) -> diesel::QueryResult<()> {
+        self.pipe.send_all(&self.queue).await;
+        self.queue.clear();
+        self.pipe.drain().await;
+        let acked = self.pipe.take_acked();
+        let started = Instant::now();
+        let marked = retire(conn, self.pipe.config(), &acked).await?;
+        self.pipe.lease().confirm(started);
+        debug!(acked = acked.len(), marked, "flushed");
+        self.held.clear();
         Ok(())
     }
 }

@@ -181,6 +181,16 @@ impl<'a> Pipeline<'a> {
         }
     }
 
+    /// The lease it publishes under.
+    pub(crate) fn lease(&self) -> &'a Lease {
+        self.lease
+    }
+
+    /// The relay's configuration.
+    pub(crate) fn config(&self) -> &'a RelayConfig {
+        self.cfg
+    }
+
     /// Nothing in flight.
     pub(crate) fn is_empty(&self) -> bool {
         self.acks.is_empty()

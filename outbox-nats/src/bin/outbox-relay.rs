@@ -75,7 +75,11 @@ struct CleanupArgs {
     no_cleanup: bool,
     /// Delete each row as soon as JetStream acked it instead of marking it published: no
     /// published history, the least database work per event.
-    #[arg(long, env = "OUTBOX_DELETE_PUBLISHED", conflicts_with = "archive_table")]
+    #[arg(
+        long,
+        env = "OUTBOX_DELETE_PUBLISHED",
+        conflicts_with = "archive_table"
+    )]
     delete_published: bool,
     /// Move published rows into this table instead of deleting them.
     #[arg(long, env = "OUTBOX_ARCHIVE_TABLE")]
