@@ -5,13 +5,16 @@
 //! cargo run --release --example bench -- --quick # a smaller one, a minute or two
 //! ```
 //!
-//! It needs PostgreSQL (`DATABASE_URL` without a database name, default
+//! Build the relay binary first (`cargo build --release --workspace --bins`): sections 1 and 5
+//! run it as the separate process it is in production. It needs PostgreSQL (`BENCH_PG`, a
+//! server URL without a database name, default
 //! `postgres://postgres@127.0.0.1:5432`) and NATS with JetStream (`NATS_URL`, default
 //! `nats://127.0.0.1:4222`). It creates a database and streams of its own and removes them at
 //! the end. Sections:
 //!
-//! 1. relay throughput (300-byte JSON payloads, file storage, dedup on) per mode, against a bare
-//!    async-nats program publishing the same messages with the same headers and window;
+//! 1. relay throughput (300-byte JSON payloads, file storage, dedup on) per mode, `outbox-relay`
+//!    processes against a bare async-nats program publishing the same messages with the same
+//!    headers and window, with the CPU each process spent per event;
 //! 2. commit-to-ack latency at a steady rate of committed transactions, with `NOTIFY` wake-up and
 //!    poll-only;
 //! 3. write-path cost: business transactions per second alone, with a hand-written Diesel insert
@@ -410,7 +413,10 @@ impl Bench {
             r?;
         }
         let rate = n as f64 / start.elapsed().as_secs_f64();
-        Ok((rate, CpuUse::between(&cpu_before, &cpu_snapshot(), n)))
+        Ok((
+            rate,
+            CpuUse::between(&cpu_before, &cpu_snapshot(), n, &[std::process::id()]),
+        ))
     }
 
     async fn relay_run(
@@ -431,21 +437,24 @@ impl Bench {
         );
         let prefix = name.to_lowercase().replace('_', "");
         self.stream(&name, &prefix).await?;
-        let shutdown = CancellationToken::new();
+        let bin = relay_bin()?;
         let cpu_before = cpu_snapshot();
         let start = Instant::now();
-        let mut tasks = Vec::new();
+        let mut children = Vec::new();
         for _ in 0..relays {
-            let nats = async_nats::connect(&self.args.nats_url).await?;
-            let config = RelayConfig::new(self.db_url.clone())
-                .stream(name.clone())
-                .subject_prefix(prefix.clone())
-                .mode(mode)
-                .partitions(partitions)
-                .workers(workers)
-                .batch_size(self.args.batch_size)
-                .delete_published(delete_published);
-            tasks.push(tokio::spawn(Relay::new(config, nats).run(shutdown.clone())));
+            let mut cmd = std::process::Command::new(&bin);
+            cmd.args(["run", "--stream", &name, "--subject-prefix", &prefix])
+                .args(["--mode", &mode.to_string()])
+                .args(["--partitions", &partitions.to_string()])
+                .args(["--workers", &workers.to_string()])
+                .args(["--batch-size", &self.args.batch_size.to_string()])
+                .env("DATABASE_URL", &self.db_url)
+                .env("NATS_URL", &self.args.nats_url)
+                .env("RUST_LOG", "error");
+            if delete_published {
+                cmd.arg("--delete-published");
+            }
+            children.push(Relays(cmd.spawn()?));
         }
         let mut conn = AsyncPgConnection::establish(&self.db_url).await?;
         while self.unpublished_left(&mut conn).await? {
@@ -455,12 +464,10 @@ impl Bench {
             }
         }
         let rate = n as f64 / start.elapsed().as_secs_f64();
-        // before the relays' sessions end and take their backends' figures with them
-        let cpu = CpuUse::between(&cpu_before, &cpu_snapshot(), n);
-        shutdown.cancel();
-        for t in tasks {
-            t.await??;
-        }
+        // before the relays exit and take their figures (and their backends') with them
+        let pids: Vec<u32> = children.iter().map(|c| c.0.id()).collect();
+        let cpu = CpuUse::between(&cpu_before, &cpu_snapshot(), n, &pids);
+        drop(children);
         Ok((rate, cpu))
     }
 
@@ -807,17 +814,7 @@ impl Bench {
         self.fill(n, false)?;
         let (name, prefix) = ("BENCH_MEM", "benchmem");
         self.stream(name, prefix).await?;
-        let bin = std::env::current_exe()?
-            .parent()
-            .and_then(|p| p.parent())
-            .map(|p| p.join("outbox-relay"))
-            .context("target dir")?;
-        if !bin.exists() {
-            bail!(
-                "{} is missing: cargo build --release --bins first",
-                bin.display()
-            );
-        }
+        let bin = relay_bin()?;
         let mut child = std::process::Command::new(&bin)
             .args(["run", "--stream", name, "--subject-prefix", prefix])
             .env("DATABASE_URL", &self.db_url)
@@ -906,13 +903,13 @@ impl CpuUse {
         before: &HashMap<u32, (String, f64)>,
         after: &HashMap<u32, (String, f64)>,
         events: usize,
+        own: &[u32],
     ) -> Self {
-        let me = std::process::id();
         let mut u = CpuUse::default();
         for (pid, (comm, secs)) in after {
             let used = secs - before.get(pid).map_or(0.0, |b| b.1);
             let per_event = used * 1e6 / events.max(1) as f64;
-            if *pid == me {
+            if own.contains(pid) {
                 u.own += per_event;
             } else if comm == "postgres" {
                 u.postgres += per_event;
@@ -930,6 +927,34 @@ impl CpuUse {
             nats: pick(|c| c.nats),
             own: pick(|c| c.own),
         }
+    }
+}
+
+/// The `outbox-relay` binary beside this example (`target/release/outbox-relay`).
+fn relay_bin() -> Result<std::path::PathBuf> {
+    let bin = std::env::current_exe()?
+        .parent()
+        .and_then(|p| p.parent())
+        .map(|p| p.join("outbox-relay"))
+        .context("target dir")?;
+    if !bin.exists() {
+        bail!(
+            "{} is missing: cargo build --release --workspace --bins first",
+            bin.display()
+        );
+    }
+    Ok(bin)
+}
+
+/// Relay processes, stopped with SIGTERM (and waited for) when dropped.
+struct Relays(std::process::Child);
+
+impl Drop for Relays {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status();
+        let _ = self.0.wait();
     }
 }
 

@@ -135,7 +135,7 @@ fn relay_message(
         aggregate_type: event.aggregate_type().to_owned(),
         aggregate_id: event.aggregate_id(),
         event_type: event.event_type().to_owned(),
-        payload: serde_json::to_value(event).expect("json"),
+        payload: serde_json::to_value(event).expect("json").into(),
         headers: serde_json::json!({}),
         created_at: chrono::Utc::now(),
         attempts: 0,

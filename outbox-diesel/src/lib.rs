@@ -46,6 +46,7 @@
 mod event;
 pub mod headers;
 pub mod inbox;
+mod json;
 mod record;
 #[cfg(feature = "async")]
 mod record_async;
@@ -61,6 +62,7 @@ pub use headers::EventHeaders;
 #[cfg(feature = "async")]
 pub use inbox::AsyncInboxExt;
 pub use inbox::{Inbox, InboxExt};
+pub use json::RawJson;
 pub use record::{DEFAULT_MAX_PAYLOAD, InvalidEvent, Notify, Outbox, OutboxExt};
 #[cfg(feature = "async")]
 pub use record_async::AsyncOutboxExt;

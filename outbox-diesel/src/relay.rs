@@ -14,8 +14,8 @@ use diesel::{QueryResult, QueryableByName};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use uuid::Uuid;
 
-use crate::OutboxTable;
 use crate::table::quote_literal;
+use crate::{OutboxTable, RawJson};
 
 /// One outbox row, as the relay publishes it.
 #[derive(Debug, Clone, PartialEq, QueryableByName)]
@@ -35,9 +35,9 @@ pub struct OutboxRow {
     /// The event's type.
     #[diesel(sql_type = Text)]
     pub event_type: String,
-    /// The message body.
+    /// The message body: the `jsonb` text as PostgreSQL renders it, published as it is.
     #[diesel(sql_type = Jsonb)]
-    pub payload: serde_json::Value,
+    pub payload: RawJson,
     /// Extra headers (a JSON object).
     #[diesel(sql_type = Jsonb)]
     pub headers: serde_json::Value,

@@ -43,9 +43,9 @@ use diesel::result::Error as DieselError;
 use diesel::sql_types::{Array, BigInt, Bool, Double, Integer, Nullable, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 
-use crate::OutboxTable;
 use crate::relay::OutboxRow;
 use crate::table::{quote_ident, quote_literal};
+use crate::{OutboxTable, RawJson};
 use pgoutput::{Message, Relation, Tuple, Value};
 
 /// The first key of the session advisory lock that makes a relay the reader of a slot:
@@ -656,7 +656,7 @@ impl WalReader {
             aggregate_type: need("aggregate_type")?.to_owned(),
             aggregate_id: need("aggregate_id")?.to_owned(),
             event_type: need("event_type")?.to_owned(),
-            payload: json("payload")?,
+            payload: RawJson::from_postgres(need("payload")?.to_owned()),
             headers: match text(t, rel, "headers") {
                 Some(_) => json("headers")?,
                 None => serde_json::Value::Object(Default::default()),

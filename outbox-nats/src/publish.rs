@@ -2,8 +2,8 @@
 
 use std::time::Duration;
 
-use async_nats::HeaderMap;
 use async_nats::jetstream::{self, stream};
+use async_nats::{HeaderMap, HeaderName, HeaderValue};
 use bytes::Bytes;
 use outbox_diesel::relay::OutboxRow;
 
@@ -56,7 +56,7 @@ pub enum InvalidRow {
 /// # let row = OutboxRow {
 /// #     seq: 1, id: uuid::Uuid::now_v7(), aggregate_type: "order".into(),
 /// #     aggregate_id: "a.1".into(), event_type: "order.placed".into(),
-/// #     payload: serde_json::json!({"total": 5}), headers: serde_json::json!({"traceparent": "00-x"}),
+/// #     payload: serde_json::json!({"total": 5}).into(), headers: serde_json::json!({"traceparent": "00-x"}),
 /// #     created_at: chrono::Utc::now(), attempts: 0,
 /// # };
 /// let msg = to_message(&row, &SubjectTemplate::default(), "outbox")?;
@@ -90,37 +90,53 @@ pub fn to_message(
     } else {
         return Err(InvalidRow::HeadersNotAnObject);
     }
-    insert(&mut headers, "Nats-Msg-Id", &row.id.to_string())?;
-    insert(&mut headers, AGGREGATE_TYPE_HEADER, &row.aggregate_type)?;
-    insert(&mut headers, AGGREGATE_ID_HEADER, &row.aggregate_id)?;
-    insert(&mut headers, EVENT_TYPE_HEADER, &row.event_type)?;
-    insert(
-        &mut headers,
-        CREATED_AT_HEADER,
-        &row.created_at
-            .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
-    )?;
-    insert(&mut headers, "Content-Type", "application/json")?;
-    // a serde_json::Value always serialises
-    let payload = serde_json::to_vec(&row.payload).unwrap_or_default();
+    // the fixed names need no checking; a uuid and a timestamp are valid header values
+    let fixed = |name: &'static str| HeaderName::from_static(name);
+    headers.insert(fixed("Nats-Msg-Id"), HeaderValue::from(row.id.to_string()));
+    headers.insert(
+        fixed(AGGREGATE_TYPE_HEADER),
+        value(AGGREGATE_TYPE_HEADER, &row.aggregate_type)?,
+    );
+    headers.insert(
+        fixed(AGGREGATE_ID_HEADER),
+        value(AGGREGATE_ID_HEADER, &row.aggregate_id)?,
+    );
+    headers.insert(
+        fixed(EVENT_TYPE_HEADER),
+        value(EVENT_TYPE_HEADER, &row.event_type)?,
+    );
+    headers.insert(
+        fixed(CREATED_AT_HEADER),
+        HeaderValue::from(
+            row.created_at
+                .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+        ),
+    );
+    headers.insert(fixed("Content-Type"), HeaderValue::from("application/json"));
     Ok(OutboxMessage {
         subject,
         headers,
-        payload: Bytes::from(payload),
+        payload: Bytes::copy_from_slice(row.payload.as_bytes()),
     })
 }
 
-fn insert(headers: &mut HeaderMap, name: &str, value: &str) -> Result<(), InvalidRow> {
-    let bad = |reason: String| InvalidRow::Header {
-        name: name.to_owned(),
-        reason,
-    };
+fn insert(headers: &mut HeaderMap, name: &str, value_text: &str) -> Result<(), InvalidRow> {
     if name.is_empty() || name.chars().any(|c| !c.is_ascii_graphic() || c == ':') {
-        return Err(bad("a header name is printable ASCII without `:`".into()));
+        return Err(InvalidRow::Header {
+            name: name.to_owned(),
+            reason: "a header name is printable ASCII without `:`".into(),
+        });
     }
-    let value: async_nats::HeaderValue = value.parse().map_err(|e| bad(format!("{e}")))?;
-    headers.insert(name, value);
+    headers.insert(name, value(name, value_text)?);
     Ok(())
+}
+
+/// `text` as a header value: no CR or LF.
+fn value(name: &str, text: &str) -> Result<HeaderValue, InvalidRow> {
+    text.parse().map_err(|e| InvalidRow::Header {
+        name: name.to_owned(),
+        reason: format!("{e}"),
+    })
 }
 
 /// What [`ensure_stream`] found or made.

@@ -434,7 +434,7 @@ mod tests {
             aggregate_type: "a".into(),
             aggregate_id: "1".into(),
             event_type: "e".into(),
-            payload: serde_json::json!({}),
+            payload: serde_json::json!({}).into(),
             headers: serde_json::json!({}),
             created_at: Utc::now(),
             attempts: 0,

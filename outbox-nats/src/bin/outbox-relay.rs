@@ -18,6 +18,10 @@ use outbox_nats::{Mode, NatsOptions, Relay, RelayConfig, redact_url};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
 
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Publishes the committed rows of a Diesel outbox table to NATS JetStream.
 #[derive(Debug, Parser)]
 #[command(name = "outbox-relay", version, about)]
