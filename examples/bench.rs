@@ -267,12 +267,14 @@ impl Bench {
         println!("\n## 1. relay throughput ({n} events of ~300 B, file storage, dedup on)\n");
         println!(
             "Each run follows its own baseline (a bare async-nats publisher, same messages, 512 acks \
-             in flight); median of {repeat}.\n"
+             in flight); median of {repeat}. The last column is the baseline's CPU per event outside \
+             PostgreSQL (nats-server + publisher) over the relay's (nats-server + relay): the ratio \
+             to expect where the database has cores of its own.\n"
         );
         println!(
-            "| run | events/s | baseline events/s | ratio to baseline | CPU µs per event: PostgreSQL / nats-server / relay | baseline: nats-server / publisher |"
+            "| run | events/s | baseline events/s | ratio to baseline | CPU µs per event: PostgreSQL / nats-server / relay | baseline: nats-server / publisher | CPU ratio outside PostgreSQL |"
         );
-        println!("|---|---|---|---|---|---|");
+        println!("|---|---|---|---|---|---|---|");
         struct Run {
             name: &'static str,
             mode: Mode,
@@ -358,7 +360,7 @@ impl Bench {
             }
             let (c, b) = (CpuUse::median(&cpu), CpuUse::median(&base_cpu));
             println!(
-                "| {} | {:.0} | {:.0} | {:.2} | {:.1} / {:.1} / {:.1} | {:.1} / {:.1} |",
+                "| {} | {:.0} | {:.0} | {:.2} | {:.1} / {:.1} / {:.1} | {:.1} / {:.1} | {:.2} |",
                 r.name,
                 median(&mut rates),
                 median(&mut baselines),
@@ -367,7 +369,8 @@ impl Bench {
                 c.nats,
                 c.own,
                 b.nats,
-                b.own
+                b.own,
+                (b.nats + b.own) / (c.nats + c.own).max(f64::EPSILON)
             );
         }
         Ok(())
