@@ -166,7 +166,6 @@ pub async fn fetch_unpublished(
 
 /// [`fetch_unpublished`] for several partitions (of `count`) at once: one query, in `seq`
 /// order across them. Traced as the span `outbox.claim`.
-#[tracing::instrument(name = "outbox.claim", level = "debug", skip_all, fields(outbox.table = %table, outbox.partitions = partitions.len()))]
 pub async fn fetch_partitions(
     conn: &mut AsyncPgConnection,
     table: &OutboxTable,
@@ -175,20 +174,7 @@ pub async fn fetch_partitions(
     held_back: &[String],
     limit: i64,
 ) -> QueryResult<Vec<OutboxRow>> {
-    if partitions.is_empty() {
-        return Ok(Vec::new());
-    }
-    FetchBatch {
-        table,
-        partitions,
-        count,
-        limit,
-        held_back,
-        exclude: &[],
-        skip_locked: false,
-    }
-    .load(conn)
-    .await
+    fetch_partitions_excluding(conn, table, partitions, count, held_back, &[], limit).await
 }
 
 /// [`fetch_partitions`] leaving out the rows `exclude` (by `seq`): a relay that keeps
