@@ -440,25 +440,24 @@ impl Bench {
         );
         let prefix = name.to_lowercase().replace('_', "");
         self.stream(&name, &prefix).await?;
-        let bin = relay_bin()?;
+        let mut args = vec![
+            "--mode".to_owned(),
+            mode.to_string(),
+            "--partitions".to_owned(),
+            partitions.to_string(),
+            "--workers".to_owned(),
+            workers.to_string(),
+            "--batch-size".to_owned(),
+            self.args.batch_size.to_string(),
+        ];
+        if delete_published {
+            args.push("--delete-published".to_owned());
+        }
         let cpu_before = cpu_snapshot();
         let start = Instant::now();
-        let mut children = Vec::new();
-        for _ in 0..relays {
-            let mut cmd = std::process::Command::new(&bin);
-            cmd.args(["run", "--stream", &name, "--subject-prefix", &prefix])
-                .args(["--mode", &mode.to_string()])
-                .args(["--partitions", &partitions.to_string()])
-                .args(["--workers", &workers.to_string()])
-                .args(["--batch-size", &self.args.batch_size.to_string()])
-                .env("DATABASE_URL", &self.db_url)
-                .env("NATS_URL", &self.args.nats_url)
-                .env("RUST_LOG", "error");
-            if delete_published {
-                cmd.arg("--delete-published");
-            }
-            children.push(Relays(cmd.spawn()?));
-        }
+        let children = (0..relays)
+            .map(|_| self.spawn_relay(&name, &prefix, &args))
+            .collect::<Result<Vec<_>>>()?;
         let mut conn = AsyncPgConnection::establish(&self.db_url).await?;
         while self.unpublished_left(&mut conn).await? {
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -468,7 +467,7 @@ impl Bench {
         }
         let rate = n as f64 / start.elapsed().as_secs_f64();
         // before the relays exit and take their figures (and their backends') with them
-        let pids: Vec<u32> = children.iter().map(|c| c.0.id()).collect();
+        let pids: Vec<u32> = children.iter().map(RelayProcess::id).collect();
         let cpu = CpuUse::between(&cpu_before, &cpu_snapshot(), n, &pids);
         drop(children);
         Ok((rate, cpu))
@@ -809,6 +808,19 @@ impl Bench {
         Ok(median(&mut times))
     }
 
+    /// An `outbox-relay run` process on `stream` and `prefix` with `args` added, logging
+    /// errors only (the backlogs are old on purpose: no stall warnings in the figures).
+    fn spawn_relay(&self, stream: &str, prefix: &str, args: &[String]) -> Result<RelayProcess> {
+        let child = std::process::Command::new(relay_bin()?)
+            .args(["run", "--stream", stream, "--subject-prefix", prefix])
+            .args(args)
+            .env("DATABASE_URL", &self.db_url)
+            .env("NATS_URL", &self.args.nats_url)
+            .env("RUST_LOG", "error")
+            .spawn()?;
+        Ok(RelayProcess(child))
+    }
+
     /// Section 5.
     async fn memory(&mut self) -> Result<()> {
         let n = self.args.memory_backlog;
@@ -817,14 +829,7 @@ impl Bench {
         self.fill(n, false)?;
         let (name, prefix) = ("BENCH_MEM", "benchmem");
         self.stream(name, prefix).await?;
-        let bin = relay_bin()?;
-        let mut child = std::process::Command::new(&bin)
-            .args(["run", "--stream", name, "--subject-prefix", prefix])
-            .env("DATABASE_URL", &self.db_url)
-            .env("NATS_URL", &self.args.nats_url)
-            // the backlog is old on purpose: no stall warnings in the figures
-            .env("RUST_LOG", "error")
-            .spawn()?;
+        let child = self.spawn_relay(name, prefix, &[])?;
         let start = Instant::now();
         let mut conn = AsyncPgConnection::establish(&self.db_url).await?;
         let mut peak_kb = 0u64;
@@ -832,16 +837,12 @@ impl Bench {
             peak_kb = peak_kb.max(vm_hwm_kb(child.id()).unwrap_or(0));
             tokio::time::sleep(Duration::from_millis(100)).await;
             if start.elapsed() > Duration::from_secs(900) {
-                let _ = child.kill();
                 bail!("the relay did not drain the backlog in 15 minutes");
             }
         }
         peak_kb = peak_kb.max(vm_hwm_kb(child.id()).unwrap_or(0));
         let rate = n as f64 / start.elapsed().as_secs_f64();
-        let _ = std::process::Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
-            .status();
-        let _ = child.wait();
+        drop(child);
         println!("| backlog | drained in | events/s | peak RSS |");
         println!("|---|---|---|---|");
         println!(
@@ -949,10 +950,16 @@ fn relay_bin() -> Result<std::path::PathBuf> {
     Ok(bin)
 }
 
-/// Relay processes, stopped with SIGTERM (and waited for) when dropped.
-struct Relays(std::process::Child);
+/// A relay process, stopped with SIGTERM (and waited for) when dropped.
+struct RelayProcess(std::process::Child);
 
-impl Drop for Relays {
+impl RelayProcess {
+    fn id(&self) -> u32 {
+        self.0.id()
+    }
+}
+
+impl Drop for RelayProcess {
     fn drop(&mut self) {
         let _ = std::process::Command::new("kill")
             .args(["-TERM", &self.0.id().to_string()])
