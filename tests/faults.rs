@@ -4,7 +4,8 @@
 //! The application is the writer example (`examples/writer.rs`), the relays are `outbox-relay`
 //! processes, and after each run the checker (`support::checker`) reads the whole stream back
 //! and compares it with the database: missing, orphaned, duplicated and reordered events,
-//! half-committed transactions, rows marked without being in the stream.
+//! half-committed transactions, rows marked (or, with `--delete-published`, deleted) without
+//! being in the stream.
 //!
 //! The default (short) versions run in CI; the long ones (`cargo test --test faults --
 //! --ignored`) run the same scenarios with 200,000 events and 50 faults. Build the binaries
@@ -42,6 +43,8 @@ static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 enum Mode {
     /// `--partitions 4`, two relays sharing them.
     Ordered,
+    /// The same, deleting the acked rows instead of marking them (`--delete-published`).
+    OrderedDeleting,
     /// Competing workers, two per relay.
     Unordered,
 }
@@ -50,6 +53,13 @@ impl Mode {
     fn relay_args(self) -> Vec<String> {
         let args: &[&str] = match self {
             Mode::Ordered => &["--partitions", "4", "--batch-size", "50"],
+            Mode::OrderedDeleting => &[
+                "--partitions",
+                "4",
+                "--batch-size",
+                "50",
+                "--delete-published",
+            ],
             Mode::Unordered => &[
                 "--mode",
                 "unordered",
@@ -64,10 +74,23 @@ impl Mode {
 
     fn assert(self, report: &Report) {
         match self {
-            Mode::Ordered => report.assert_exact_and_ordered(),
+            Mode::Ordered | Mode::OrderedDeleting => report.assert_exact_and_ordered(),
             Mode::Unordered => report.assert_exact(),
         }
     }
+
+    /// Whether its relays share partitions.
+    fn partitioned(self) -> bool {
+        matches!(self, Mode::Ordered | Mode::OrderedDeleting)
+    }
+}
+
+/// A test database whose outbox keeps a record of every row a relay deletes: the checker and
+/// the scenarios read [`checker::RECORD_VIEW`], the outbox rows and the deleted ones, so that
+/// a deleting relay is held to the same promise as a marking one.
+fn fault_db(db: TestDb) -> TestDb {
+    checker::keep_deleted_rows(&db);
+    db
 }
 
 /// How big a run is: the CI version or the long one.
@@ -112,7 +135,7 @@ async fn next_fault(db: &TestDb, size: Size, k: usize, rng: &mut Rng) {
     wait_until(
         size.timeout(),
         &format!("{target} rows written"),
-        || async { db.scalar("SELECT COALESCE(max(seq), 0) FROM outbox") >= target },
+        || async { db.scalar("SELECT COALESCE(max(seq), 0) FROM outbox_record") >= target },
     )
     .await;
     // the fault's timing, random on purpose: not a synchronisation
@@ -319,11 +342,12 @@ async fn finished(p: &mut Proc, size: Size) -> u64 {
     writer_counts(&out).0
 }
 
+/// Rows marked published or deleted after their ack.
 fn published(db: &TestDb) -> i64 {
-    db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
+    db.scalar("SELECT count(*) FROM outbox_record WHERE published_at IS NOT NULL")
 }
 
-/// Waits until every committed row is marked published.
+/// Waits until every committed row is marked published (or deleted).
 async fn drained(db: &TestDb, timeout: Duration) {
     wait_until(timeout, "every outbox row published", || async {
         db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL") == 0
@@ -359,7 +383,7 @@ async fn report(test: &str, db: &TestDb, stream: &TestStream) -> Report {
 /// mark) and restarted at once, while a writer commits.
 async fn relay_kills(test: &str, mode: Mode, size: Size) {
     let _serial = SERIAL.lock().await;
-    let (db, stream, logs) = (TestDb::new(), TestStream::new(), Logs::new(test));
+    let (db, stream, logs) = (fault_db(TestDb::new()), TestStream::new(), Logs::new(test));
     let mut rng = Rng::new(test);
     let mut relays = Relays::start(&db, &stream, &logs, mode.relay_args(), 2);
     let mut w = steady_writer(&db, &logs, size);
@@ -388,6 +412,11 @@ async fn relay_killed_at_random_points_loses_and_duplicates_nothing_unordered() 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_killed_at_random_points_loses_and_duplicates_nothing_deleting() {
+    relay_kills("relay_kills_deleting", Mode::OrderedDeleting, SHORT).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "long: 200,000 events, 50 kills"]
 async fn long_relay_killed_50_times_loses_and_duplicates_nothing_ordered() {
     relay_kills("long_relay_kills_ordered", Mode::Ordered, LONG).await;
@@ -397,6 +426,12 @@ async fn long_relay_killed_50_times_loses_and_duplicates_nothing_ordered() {
 #[ignore = "long: 200,000 events, 50 kills"]
 async fn long_relay_killed_50_times_loses_and_duplicates_nothing_unordered() {
     relay_kills("long_relay_kills_unordered", Mode::Unordered, LONG).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: 200,000 events, 50 kills"]
+async fn long_relay_killed_50_times_loses_and_duplicates_nothing_deleting() {
+    relay_kills("long_relay_kills_deleting", Mode::OrderedDeleting, LONG).await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -413,7 +448,7 @@ fn idle_in_transaction(db: &TestDb, name: &str) -> i64 {
 
 async fn writer_kills(test: &str, mode: Mode, size: Size) {
     let _serial = SERIAL.lock().await;
-    let (db, stream, logs) = (TestDb::new(), TestStream::new(), Logs::new(test));
+    let (db, stream, logs) = (fault_db(TestDb::new()), TestStream::new(), Logs::new(test));
     let mut rng = Rng::new(test);
     let _relays = Relays::start(&db, &stream, &logs, mode.relay_args(), 2);
     let mut steady = steady_writer(&db, &logs, size);
@@ -480,6 +515,11 @@ async fn writer_killed_before_commit_or_rolled_back_publishes_nothing_ordered() 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writer_killed_before_commit_or_rolled_back_publishes_nothing_deleting() {
+    writer_kills("writer_kills_deleting", Mode::OrderedDeleting, SHORT).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writer_killed_before_commit_or_rolled_back_publishes_nothing_unordered() {
     writer_kills("writer_kills_unordered", Mode::Unordered, SHORT).await;
 }
@@ -504,13 +544,17 @@ async fn nats_outages(test: &str, mode: Mode, size: Size, restarts: usize) {
     // a private server with a file store, not running yet: the relays start first
     let mut nats = NatsServer::start();
     nats.stop();
-    let (db, stream, logs) = (TestDb::new(), TestStream::on(&nats.url()), Logs::new(test));
+    let (db, stream, logs) = (
+        fault_db(TestDb::new()),
+        TestStream::on(&nats.url()),
+        Logs::new(test),
+    );
     let _relays = Relays::start(&db, &stream, &logs, mode.relay_args(), 2);
     let mut w = steady_writer(&db, &logs, size);
     wait_until(
         Duration::from_secs(15),
         "rows committed while NATS is down",
-        || async { db.scalar("SELECT count(*) FROM outbox") >= 200 },
+        || async { db.scalar("SELECT count(*) FROM outbox_record") >= 200 },
     )
     .await;
     assert_eq!(published(&db), 0, "nothing is marked while NATS is down");
@@ -520,11 +564,11 @@ async fn nats_outages(test: &str, mode: Mode, size: Size, restarts: usize) {
     for r in 1..=restarts {
         published_at_least(&db, step * r as i64, size.timeout()).await;
         nats.stop(); // SIGKILL
-        let before = db.scalar("SELECT count(*) FROM outbox");
+        let before = db.scalar("SELECT count(*) FROM outbox_record");
         wait_until(
             Duration::from_secs(15),
             "rows committed while NATS is down",
-            || async { db.scalar("SELECT count(*) FROM outbox") >= before + 200 },
+            || async { db.scalar("SELECT count(*) FROM outbox_record") >= before + 200 },
         )
         .await;
         nats.restart();
@@ -547,6 +591,11 @@ async fn nats_started_late_and_restarted_mid_run_loses_nothing_unordered() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_started_late_and_restarted_mid_run_loses_nothing_deleting() {
+    nats_outages("nats_outages_deleting", Mode::OrderedDeleting, SHORT, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "long: 200,000 events, 10 NATS restarts"]
 async fn long_nats_restarted_10_times_loses_nothing_ordered() {
     nats_outages("long_nats_outages_ordered", Mode::Ordered, LONG, 10).await;
@@ -563,7 +612,7 @@ async fn long_nats_restarted_10_times_loses_nothing_unordered() {
 
 async fn sessions_terminated(test: &str, mode: Mode, size: Size) {
     let _serial = SERIAL.lock().await;
-    let (db, stream, logs) = (TestDb::new(), TestStream::new(), Logs::new(test));
+    let (db, stream, logs) = (fault_db(TestDb::new()), TestStream::new(), Logs::new(test));
     let mut rng = Rng::new(test);
     let _relays = Relays::start(&db, &stream, &logs, mode.relay_args(), 2);
     let mut w = steady_writer(&db, &logs, size);
@@ -598,6 +647,11 @@ async fn relay_sessions_terminated_lose_and_duplicate_nothing_unordered() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_sessions_terminated_lose_and_duplicate_nothing_deleting() {
+    sessions_terminated("sessions_terminated_deleting", Mode::OrderedDeleting, SHORT).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "long: 200,000 events, 50 terminations"]
 async fn long_relay_sessions_terminated_50_times_lose_nothing_ordered() {
     sessions_terminated("long_sessions_terminated_ordered", Mode::Ordered, LONG).await;
@@ -613,7 +667,7 @@ async fn postgres_restarts(test: &str, mode: Mode, size: Size, restarts: usize) 
     let _serial = SERIAL.lock().await;
     let mut cluster = PgCluster::start();
     let (db, stream, logs) = (
-        TestDb::on(&cluster.base_url()),
+        fault_db(TestDb::on(&cluster.base_url())),
         TestStream::new(),
         Logs::new(test),
     );
@@ -639,6 +693,17 @@ async fn postgres_restarted_mid_run_loses_and_duplicates_nothing_ordered() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_restarted_mid_run_loses_and_duplicates_nothing_unordered() {
     postgres_restarts("postgres_restarts_unordered", Mode::Unordered, SHORT, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_restarted_mid_run_loses_and_duplicates_nothing_deleting() {
+    postgres_restarts(
+        "postgres_restarts_deleting",
+        Mode::OrderedDeleting,
+        SHORT,
+        1,
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -670,7 +735,7 @@ const HANDOVER_BOUND: Duration = Duration::from_secs(6);
 
 async fn paused_relay(test: &str, mode: Mode, size: Size, pauses: usize) {
     let _serial = SERIAL.lock().await;
-    let (db, stream, logs) = (TestDb::new(), TestStream::new(), Logs::new(test));
+    let (db, stream, logs) = (fault_db(TestDb::new()), TestStream::new(), Logs::new(test));
     let mut rng = Rng::new(test);
     let mut args = mode.relay_args();
     args.extend(["--lease".to_string(), format!("{}s", LEASE.as_secs())]);
@@ -682,7 +747,7 @@ async fn paused_relay(test: &str, mode: Mode, size: Size, pauses: usize) {
         ..size
     };
     for k in 1..=pauses {
-        if mode == Mode::Ordered {
+        if mode.partitioned() {
             wait_until(
                 Duration::from_secs(30),
                 "two relays sharing the four partitions",
@@ -693,7 +758,7 @@ async fn paused_relay(test: &str, mode: Mode, size: Size, pauses: usize) {
         next_fault(&db, size, k, &mut rng).await;
         let i = rng.below(2) as usize;
         // rows committed before the pause: the other relay must publish them while it lasts
-        let last = db.scalar("SELECT COALESCE(max(seq), 0) FROM outbox");
+        let last = db.scalar("SELECT COALESCE(max(seq), 0) FROM outbox_record");
         let stopped = Instant::now();
         relays.procs[i].signal("STOP");
         wait_until(
@@ -703,7 +768,7 @@ async fn paused_relay(test: &str, mode: Mode, size: Size, pauses: usize) {
                 let left = db.scalar(&format!(
                     "SELECT count(*) FROM outbox WHERE seq <= {last} AND published_at IS NULL"
                 ));
-                left == 0 && (mode == Mode::Unordered || distinct_owners(&db) == (4, 1))
+                left == 0 && (!mode.partitioned() || distinct_owners(&db) == (4, 1))
             },
         )
         .await;
@@ -717,7 +782,7 @@ async fn paused_relay(test: &str, mode: Mode, size: Size, pauses: usize) {
         tokio::time::sleep((LEASE + Duration::from_millis(500)).saturating_sub(stopped.elapsed()))
             .await;
         relays.procs[i].signal("CONT");
-        if mode == Mode::Ordered {
+        if mode.partitioned() {
             wait_until(
                 Duration::from_secs(30),
                 "the resumed relay back in the balance",
@@ -836,7 +901,7 @@ async fn consume_with_inbox(db: &TestDb, stream: &TestStream, total: usize) -> (
 async fn relay_down_past_the_duplicate_window_republishes_and_the_inbox_applies_each_event_once() {
     let _serial = SERIAL.lock().await;
     let test = "past_duplicate_window";
-    let (db, stream, logs) = (TestDb::new(), TestStream::new(), Logs::new(test));
+    let (db, stream, logs) = (fault_db(TestDb::new()), TestStream::new(), Logs::new(test));
     let window = Duration::from_secs(1);
     stream
         .js()
@@ -968,7 +1033,11 @@ async fn run_to_exit(cmd: &mut Command) -> (i32, String) {
 
 /// Asserts that a refused start left every row unpublished and the stream without messages.
 async fn nothing_marked(db: &TestDb, stream: &TestStream, rows: i64) {
-    assert_eq!(published(db), 0, "a refused relay marked rows");
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL"),
+        0,
+        "a refused relay marked rows"
+    );
     assert_eq!(
         db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL"),
         rows
@@ -1200,4 +1269,85 @@ fn the_checker_counts_each_kind_of_fault() {
     );
     assert_eq!(r.marked_not_in_stream, 2, "seq 4 and the torn seq 5: {r}");
     assert_eq!(r.max_wait, Duration::from_millis(5));
+}
+
+/// The record a deleting relay is checked against: a row deleted after its ack counts as
+/// published; one deleted without a message in the stream is caught as marked but not in the
+/// stream (and missing); a deletion that rolls back leaves no record.
+#[tokio::test]
+async fn the_checker_holds_deleted_rows_to_the_promise_of_marked_ones() {
+    let (db, stream) = (fault_db(TestDb::new()), TestStream::new());
+    seed_rows(&db, 4);
+    // a relay's work, by hand: the first two rows published and deleted after their acks
+    let js = stream.js().await;
+    js.create_stream(jetstream::stream::Config {
+        name: stream.name.clone(),
+        subjects: vec![format!("{}.>", stream.prefix)],
+        ..Default::default()
+    })
+    .await
+    .expect("the stream");
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        seq: i64,
+        #[diesel(sql_type = diesel::sql_types::Uuid)]
+        id: uuid::Uuid,
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        aggregate_id: String,
+    }
+    let mut conn = db.conn();
+    let rows: Vec<Row> =
+        diesel::sql_query("SELECT seq, id, aggregate_id FROM outbox ORDER BY seq LIMIT 2")
+            .load(&mut conn)
+            .expect("the oldest rows");
+    for row in &rows {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Nats-Msg-Id", row.id.to_string().as_str());
+        headers.insert("Outbox-Aggregate-Type", "account");
+        headers.insert("Outbox-Aggregate-Id", row.aggregate_id.as_str());
+        js.publish_with_headers(format!("{}.account.x", stream.prefix), headers, "{}".into())
+            .await
+            .expect("publish")
+            .await
+            .expect("ack");
+    }
+    let seqs: Vec<i64> = rows.iter().map(|r| r.seq).collect();
+    diesel::sql_query("DELETE FROM outbox WHERE seq = ANY($1)")
+        .bind::<diesel::sql_types::Array<diesel::sql_types::BigInt>, _>(&seqs)
+        .execute(&mut conn)
+        .expect("delete the acked rows");
+    // a deletion that rolls back is no deletion
+    let _ = conn.transaction::<(), diesel::result::Error, _>(|c| {
+        diesel::sql_query("DELETE FROM outbox").execute(c)?;
+        Err(diesel::result::Error::RollbackTransaction)
+    });
+    let r = checker::check(&db, &stream).await;
+    assert_eq!(
+        (
+            r.committed,
+            r.outbox_rows,
+            r.unpublished,
+            r.missing,
+            r.marked_not_in_stream
+        ),
+        (4, 4, 2, 2, 0),
+        "{r}"
+    );
+    // a relay that deletes a row it never published breaks the promise, and the checker says so
+    diesel::sql_query("DELETE FROM outbox WHERE seq = (SELECT max(seq) FROM outbox)")
+        .execute(&mut conn)
+        .expect("delete an unpublished row");
+    let r = checker::check(&db, &stream).await;
+    assert_eq!(
+        (
+            r.committed,
+            r.unpublished,
+            r.missing,
+            r.marked_not_in_stream
+        ),
+        (4, 1, 2, 1),
+        "{r}"
+    );
+    assert_eq!(db.scalar("SELECT count(*) FROM outbox"), 1);
 }

@@ -19,6 +19,12 @@
 //! - `marked_not_in_stream`: rows marked published whose message is not in the stream
 //!   ("nothing is marked without an ack");
 //! - `max_wait`: the longest time from `Outbox-Created-At` to the message's stream timestamp.
+//!
+//! A relay run with `--delete-published` deletes the rows JetStream acked. In a database
+//! prepared with [`keep_deleted_rows`], a trigger copies each deleted row into
+//! `outbox_deleted` (with the time of its deletion) in the deleting transaction, and the checker
+//! reads the view [`RECORD_VIEW`], the outbox rows and the deleted ones, where a deleted row
+//! counts as marked: it is held to "nothing is deleted without an ack" as a marked row is.
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -31,6 +37,37 @@ use super::{TestDb, TestStream};
 
 /// The business table the writer example fills, one row per committed event.
 pub const BUSINESS_TABLE: &str = "writer_entries";
+
+/// The view of the outbox rows and the rows deleted from it, when [`keep_deleted_rows`]
+/// made it: `seq, id, aggregate_type, aggregate_id, published_at` (the deletion time for a
+/// deleted row).
+pub const RECORD_VIEW: &str = "outbox_record";
+
+/// Makes the outbox of `db` keep a record of the rows deleted from it, and the view
+/// [`RECORD_VIEW`] over both. A relay's `DELETE` is recorded in its own transaction: a
+/// deletion that rolls back leaves no record.
+pub fn keep_deleted_rows(db: &TestDb) {
+    use diesel::connection::SimpleConnection;
+    db.conn()
+        .batch_execute(&format!(
+            "CREATE TABLE outbox_deleted ( \
+                 seq bigint PRIMARY KEY, id uuid NOT NULL, aggregate_type text NOT NULL, \
+                 aggregate_id text NOT NULL, deleted_at timestamptz NOT NULL DEFAULT clock_timestamp()); \
+             CREATE FUNCTION outbox_keep_deleted() RETURNS trigger LANGUAGE plpgsql AS $$ \
+             BEGIN \
+                 INSERT INTO outbox_deleted (seq, id, aggregate_type, aggregate_id) \
+                 VALUES (OLD.seq, OLD.id, OLD.aggregate_type, OLD.aggregate_id); \
+                 RETURN OLD; \
+             END $$; \
+             CREATE TRIGGER outbox_keep_deleted AFTER DELETE ON outbox \
+                 FOR EACH ROW EXECUTE FUNCTION outbox_keep_deleted(); \
+             CREATE VIEW {RECORD_VIEW} AS \
+                 SELECT seq, id, aggregate_type, aggregate_id, published_at FROM outbox \
+                 UNION ALL \
+                 SELECT seq, id, aggregate_type, aggregate_id, deleted_at FROM outbox_deleted;"
+        ))
+        .expect("a record of the rows deleted from the outbox");
+}
 
 /// What a run left behind, database against stream.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -155,23 +192,33 @@ fn database_events(db: &TestDb) -> Vec<DbEvent> {
         #[diesel(sql_type = Bool)]
         exists: bool,
     }
-    let business: Exists = diesel::sql_query(format!(
-        "SELECT to_regclass('{BUSINESS_TABLE}') IS NOT NULL AS exists"
-    ))
-    .get_result(&mut conn)
-    .expect("look up the business table");
-    let sql = if business.exists {
+    let exists = |conn: &mut PgConnection, table: &str| {
+        diesel::sql_query(format!(
+            "SELECT to_regclass('{table}') IS NOT NULL AS exists"
+        ))
+        .get_result::<Exists>(conn)
+        .expect("look up a table")
+        .exists
+    };
+    let outbox = if exists(&mut conn, RECORD_VIEW) {
+        RECORD_VIEW
+    } else {
+        "outbox"
+    };
+    let sql = if exists(&mut conn, BUSINESS_TABLE) {
         format!(
             "SELECT o.seq, COALESCE(o.id, e.event_id) AS id, \
              COALESCE(o.aggregate_type || '/' || o.aggregate_id, 'account/' || e.account) AS aggregate, \
              o.id IS NOT NULL AS in_outbox, e.event_id IS NOT NULL AS in_business, \
              COALESCE(o.published_at IS NOT NULL, false) AS marked \
-             FROM outbox o FULL JOIN {BUSINESS_TABLE} e ON e.event_id = o.id"
+             FROM {outbox} o FULL JOIN {BUSINESS_TABLE} e ON e.event_id = o.id"
         )
     } else {
-        "SELECT o.seq, o.id, o.aggregate_type || '/' || o.aggregate_id AS aggregate, \
-         true AS in_outbox, true AS in_business, o.published_at IS NOT NULL AS marked FROM outbox o"
-            .to_owned()
+        format!(
+            "SELECT o.seq, o.id, o.aggregate_type || '/' || o.aggregate_id AS aggregate, \
+             true AS in_outbox, true AS in_business, o.published_at IS NOT NULL AS marked \
+             FROM {outbox} o"
+        )
     };
     diesel::sql_query(sql)
         .load(&mut conn)
