@@ -75,6 +75,10 @@ struct Args {
     /// The relays' `--batch-size` in sections 1 and 2.
     #[arg(long, default_value_t = 500)]
     batch_size: usize,
+    /// Only the section 1 runs whose name contains one of these, comma-separated (e.g.
+    /// `log-tailing` or `1 partition`).
+    #[arg(long, value_delimiter = ',')]
+    runs: Vec<String>,
     /// Only these sections (1-5), comma-separated.
     #[arg(long, value_delimiter = ',')]
     only: Vec<u8>,
@@ -190,6 +194,13 @@ impl Bench {
         for s in &self.streams {
             let _ = self.js.delete_stream(s).await;
         }
+        // a run stopped half-way may have left its slot, which would keep the database
+        let _ = diesel::sql_query(format!(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
+             WHERE slot_name = '{}_slot'",
+            self.db_name
+        ))
+        .execute(admin);
         let _ = diesel::sql_query(format!(
             "DROP DATABASE IF EXISTS {} WITH (FORCE)",
             self.db_name
@@ -258,6 +269,86 @@ impl Bench {
         .get_result(conn)
         .await?;
         Ok(e.e)
+    }
+
+    fn wal_level(&self) -> Result<String> {
+        use diesel::RunQueryDsl;
+        #[derive(QueryableByName)]
+        struct W {
+            #[diesel(sql_type = diesel::sql_types::Text)]
+            w: String,
+        }
+        let mut conn = PgConnection::establish(&self.db_url)?;
+        Ok(
+            diesel::sql_query("SELECT current_setting('wal_level') AS w")
+                .get_result::<W>(&mut conn)?
+                .w,
+        )
+    }
+
+    /// The publication log tailing reads (`outbox_pub`) and a new slot, as the relay would make
+    /// them, before the backlog is written.
+    fn create_slot(&self, slot: &str) -> Result<()> {
+        use diesel::RunQueryDsl;
+        let mut conn = PgConnection::establish(&self.db_url)?;
+        diesel::sql_query(
+            "DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = 'outbox_pub') \
+             THEN CREATE PUBLICATION outbox_pub FOR TABLE outbox WITH (publish = 'insert, update'); \
+             END IF; END $$",
+        )
+        .execute(&mut conn)?;
+        diesel::sql_query(format!(
+            "SELECT 1 FROM pg_create_logical_replication_slot('{slot}', 'pgoutput')"
+        ))
+        .execute(&mut conn)?;
+        Ok(())
+    }
+
+    /// Drops the slot (a database with a slot cannot be dropped), once the stopped relay's
+    /// backend has let go of it.
+    fn drop_slot(&self, slot: &str) -> Result<()> {
+        use diesel::RunQueryDsl;
+        let mut conn = PgConnection::establish(&self.db_url)?;
+        let mut tries = 0;
+        loop {
+            let dropped = diesel::sql_query(format!(
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
+                 WHERE slot_name = '{slot}'"
+            ))
+            .execute(&mut conn);
+            match dropped {
+                Ok(_) => return Ok(()),
+                Err(e) if tries >= 50 => return Err(e.into()),
+                Err(_) => {
+                    tries += 1;
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
+        }
+    }
+
+    /// Fills the outbox with `n` unpublished rows in transactions of `per_tx` rows each, as a
+    /// service's commits would (log tailing reads a transaction whole).
+    fn fill_in_transactions(&self, n: usize, per_tx: usize) -> Result<()> {
+        use diesel::RunQueryDsl;
+        let mut conn = PgConnection::establish(&self.db_url)?;
+        diesel::sql_query("SET synchronous_commit = off").execute(&mut conn)?;
+        let mut done = 0;
+        while done < n {
+            let m = per_tx.min(n - done);
+            diesel::sql_query(format!(
+                "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+                 SELECT gen_random_uuid(), 'order', 'order-' || (i % 1000), 'order.placed', \
+                 jsonb_build_object('order_id', 'order-' || (i % 1000), 'customer', 'customer-' || i, 'note', repeat('x', 230)) \
+                 FROM generate_series({}, {}) i",
+                done,
+                done + m - 1
+            ))
+            .execute(&mut conn)?;
+            done += m;
+        }
+        diesel::sql_query("ANALYZE outbox").execute(&mut conn)?;
+        Ok(())
     }
 
     /// Section 1.
@@ -340,8 +431,29 @@ impl Bench {
                 1,
                 false,
             ),
+            run(
+                "log-tailing, 1 relay (transactions of 100 events)",
+                Mode::LogTailing,
+                1,
+                1,
+                1,
+                false,
+            ),
         ];
+        let logical = self.wal_level()? == "logical";
         for r in runs {
+            if !self.args.runs.is_empty()
+                && !self.args.runs.iter().any(|f| r.name.contains(f.as_str()))
+            {
+                continue;
+            }
+            if r.mode == Mode::LogTailing && !logical {
+                println!(
+                    "| {} | skipped: `wal_level` is not `logical` (`ALTER SYSTEM SET wal_level = logical` and restart PostgreSQL) | | | | | |",
+                    r.name
+                );
+                continue;
+            }
             let mut rates = Vec::new();
             let mut baselines = Vec::new();
             let mut ratios = Vec::new();
@@ -432,7 +544,15 @@ impl Bench {
         delete_published: bool,
     ) -> Result<(f64, CpuUse)> {
         self.reset_outbox()?;
-        self.fill(n, false)?;
+        let tailing = mode == Mode::LogTailing;
+        let slot = format!("{}_slot", self.db_name);
+        if tailing {
+            // the slot sees only what commits after its creation: make it before the backlog
+            self.create_slot(&slot)?;
+            self.fill_in_transactions(n, 100)?;
+        } else {
+            self.fill(n, false)?;
+        }
         let name = format!(
             "BENCH_{}_{partitions}_{workers}_{relays}_{}",
             mode.to_string().to_uppercase(),
@@ -453,13 +573,32 @@ impl Bench {
         if delete_published {
             args.push("--delete-published".to_owned());
         }
+        if tailing {
+            args.extend(["--slot".to_owned(), slot.clone()]);
+        }
         let cpu_before = cpu_snapshot();
         let start = Instant::now();
         let children = (0..relays)
             .map(|_| self.spawn_relay(&name, &prefix, &args))
             .collect::<Result<Vec<_>>>()?;
         let mut conn = AsyncPgConnection::establish(&self.db_url).await?;
-        while self.unpublished_left(&mut conn).await? {
+        loop {
+            // log tailing leaves the rows unmarked: count the stream instead
+            let left = if tailing {
+                self.js
+                    .get_stream(&name)
+                    .await?
+                    .info()
+                    .await?
+                    .state
+                    .messages
+                    < n as u64
+            } else {
+                self.unpublished_left(&mut conn).await?
+            };
+            if !left {
+                break;
+            }
             tokio::time::sleep(Duration::from_millis(10)).await;
             if start.elapsed() > Duration::from_secs(600) {
                 bail!("the relay did not drain {n} events in 10 minutes");
@@ -470,6 +609,9 @@ impl Bench {
         let pids: Vec<u32> = children.iter().map(RelayProcess::id).collect();
         let cpu = CpuUse::between(&cpu_before, &cpu_snapshot(), n, &pids);
         drop(children);
+        if tailing {
+            self.drop_slot(&slot)?;
+        }
         Ok((rate, cpu))
     }
 

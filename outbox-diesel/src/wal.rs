@@ -2,11 +2,19 @@
 //! slot, reading the committed inserts of the outbox table from the WAL in commit order,
 //! confirming a position, the slot's lag, parking and deleting captured rows.
 //!
-//! It uses logical decoding's SQL interface: `pg_logical_slot_peek_binary_changes` with the
-//! built-in `pgoutput` plugin reads whole committed transactions in commit order from the
-//! slot's confirmed position without consuming them, and `pg_replication_slot_advance`
-//! confirms a position once JetStream acked everything before it. Both are plain SQL on the
-//! relay's Diesel connection, so a crash between the two can only make the next reader read
+//! A reader reads the slot in one of two ways, both with the built-in `pgoutput` plugin and
+//! whole committed transactions in commit order from the slot's confirmed position:
+//!
+//! - streaming ([`WalReader::streaming`], what the relay does): a replication connection of its
+//!   own (`START_REPLICATION`), which decodes each WAL record once and sends each transaction
+//!   as it commits; a position is confirmed by the standby status the reader sends after
+//!   JetStream acked everything before it;
+//! - SQL calls on the caller's Diesel connection: `pg_logical_slot_peek_binary_changes` reads
+//!   without consuming and `pg_replication_slot_advance` confirms. Simple, but every read
+//!   decodes again from the slot's restart position, which PostgreSQL moves only at its
+//!   periodic snapshots (about every 15 s): a large backlog is decoded over and over.
+//!
+//! Either way a crash between publishing and confirming can only make the next reader read
 //! (and publish) the same transactions again, never skip one.
 //!
 //! ```no_run
@@ -14,11 +22,14 @@
 //! use outbox_diesel::OutboxTable;
 //! use outbox_diesel::wal::WalReader;
 //!
+//! # use std::time::Duration;
 //! # async fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-//! let mut conn = AsyncPgConnection::establish("postgres://relay@db/app").await?;
-//! let mut reader = WalReader::new(OutboxTable::DEFAULT, "outbox_slot", "outbox_pub");
+//! let url = "postgres://relay@db/app";
+//! let mut conn = AsyncPgConnection::establish(url).await?;
+//! let mut reader = WalReader::new(OutboxTable::DEFAULT, "outbox_slot", "outbox_pub")
+//!     .streaming(url, Duration::from_millis(100))?;
 //! reader.setup(&mut conn).await?; // publication + slot, created when missing
-//! let batch = reader.read(&mut conn, 500).await?;
+//! let batch = reader.read(&mut conn, 500).await?; // waits up to 100 ms for a transaction
 //! for tx in &batch.transactions {
 //!     for row in &tx.rows {
 //!         println!("{} {} {}", tx.end_lsn, row.aggregate_id, row.event_type);
@@ -28,6 +39,7 @@
 //! if let Some(tx) = batch.transactions.last() {
 //!     reader.advance(&mut conn, tx.end_lsn).await?;
 //! }
+//! reader.close(&mut conn).await?; // the last confirmed position reaches the slot
 //! # Ok(()) }
 //! ```
 
@@ -215,6 +227,25 @@ pub enum WalError {
         #[source]
         source: DieselError,
     },
+    /// The replication connection of a streaming reader failed or ended; the next read
+    /// connects again.
+    #[error("the replication connection reading slot {slot} failed: {reason}")]
+    Stream {
+        /// The slot.
+        slot: String,
+        /// What happened.
+        reason: String,
+    },
+    /// The server refused a replication connection.
+    #[error(
+        "the server refused a replication connection for slot {slot}: {reason}; the relay's role needs the REPLICATION attribute (`ALTER ROLE <relay> REPLICATION`), pg_hba.conf must let it connect to this database, and max_wal_senders must leave a sender free"
+    )]
+    ReplicationConnection {
+        /// The slot.
+        slot: String,
+        /// The server's refusal.
+        reason: String,
+    },
     /// The outbox table is missing.
     #[error("the outbox table {0} does not exist (or is not visible to this role)")]
     TableMissing(String),
@@ -283,13 +314,64 @@ pub struct WalBatch {
 }
 
 /// Reads a table's committed inserts from a logical replication slot, in commit order.
-#[derive(Debug, Clone)]
+///
+/// Two ways to read: by default each [`WalReader::read`] is one SQL call
+/// (`pg_logical_slot_peek_binary_changes`) on the caller's connection, which decodes the WAL
+/// again from the slot's restart position every time; after [`WalReader::streaming`] the reader
+/// holds a replication connection of its own (`START_REPLICATION`, as a subscriber or
+/// Debezium does), which decodes each WAL record once and sends each transaction as it
+/// commits. The relay streams; the SQL way suits a one-off read.
+#[derive(Debug)]
 pub struct WalReader {
     table: OutboxTable,
     slot: String,
     publication: String,
     table_oid: Option<u32>,
     relations: HashMap<u32, Relation>,
+    streaming: Option<StreamConfig>,
+    stream: Option<Stream>,
+    /// A streaming reader's last position confirmed: transactions ending at or before it
+    /// are passed over when they come again.
+    acked: Lsn,
+}
+
+/// Where and how a streaming reader connects.
+#[derive(Debug, Clone)]
+struct StreamConfig {
+    host: String,
+    port: u16,
+    user: String,
+    password: String,
+    database: String,
+    wait: Duration,
+}
+
+/// A streaming reader's replication connection and what it has received.
+struct Stream {
+    client: pgwire_replication::ReplicationClient,
+    /// The transaction being received: its id, commit time and events so far.
+    open: Option<(u32, DateTime<Utc>, Vec<Captured>)>,
+    /// The end of the last commit received (of any transaction), or the server's position
+    /// from a keepalive between transactions: everything before it was received.
+    received_to: Option<Lsn>,
+}
+
+impl fmt::Debug for Stream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Stream")
+            .field("received_to", &self.received_to)
+            .field("open", &self.open.as_ref().map(|o| (o.0, o.2.len())))
+            .finish_non_exhaustive()
+    }
+}
+
+impl fmt::Debug for Captured {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Captured::Row(r) => write!(f, "Row({})", r.seq),
+            Captured::Released(seq) => write!(f, "Released({seq})"),
+        }
+    }
 }
 
 #[derive(QueryableByName)]
@@ -353,7 +435,67 @@ impl WalReader {
             publication: publication.into(),
             table_oid: None,
             relations: HashMap::new(),
+            streaming: None,
+            stream: None,
+            acked: Lsn(0),
         }
+    }
+
+    /// Reads through a replication connection of its own to `database_url` (a URL or
+    /// `key=value` string, as `DATABASE_URL`; TLS is not used) instead of SQL calls: each
+    /// [`WalReader::read`] then waits up to `wait` for a transaction, returns as soon as one
+    /// arrives, and [`WalReader::advance`] reports the position to the server (within a
+    /// second; [`WalReader::close`] makes it exact). The role needs `REPLICATION`, as for the
+    /// slot; the server's `max_wal_senders` must leave one sender for each reader.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use outbox_diesel::OutboxTable;
+    /// use outbox_diesel::wal::WalReader;
+    ///
+    /// let reader = WalReader::new(OutboxTable::DEFAULT, "outbox_slot", "outbox_pub")
+    ///     .streaming("postgres://relay@127.0.0.1/app", Duration::from_millis(100))?;
+    /// assert!(reader.is_streaming());
+    /// # Ok::<(), outbox_diesel::wal::WalError>(())
+    /// ```
+    pub fn streaming(mut self, database_url: &str, wait: Duration) -> Result<Self, WalError> {
+        let bad = |reason: String| WalError::Stream {
+            slot: self.slot.clone(),
+            reason: format!("cannot use the database URL for replication: {reason}"),
+        };
+        let config: tokio_postgres::Config = database_url
+            .parse()
+            .map_err(|e: tokio_postgres::Error| bad(e.to_string()))?;
+        let host = match config.get_hosts().first() {
+            Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
+            Some(tokio_postgres::config::Host::Unix(p)) => p.display().to_string(),
+            None => "localhost".to_owned(),
+        };
+        let port = config.get_ports().first().copied().unwrap_or(5432);
+        let user = config
+            .get_user()
+            .map(str::to_owned)
+            .or_else(|| std::env::var("USER").ok())
+            .ok_or_else(|| bad("no user name".into()))?;
+        let password = config
+            .get_password()
+            .map(|p| String::from_utf8_lossy(p).into_owned())
+            .unwrap_or_default();
+        let database = config.get_dbname().unwrap_or(&user).to_owned();
+        self.streaming = Some(StreamConfig {
+            host,
+            port,
+            user,
+            password,
+            database,
+            wait,
+        });
+        Ok(self)
+    }
+
+    /// Whether [`WalReader::streaming`] was set.
+    pub fn is_streaming(&self) -> bool {
+        self.streaming.is_some()
     }
 
     /// The slot's name.
@@ -515,6 +657,9 @@ impl WalReader {
         limit: usize,
     ) -> Result<WalBatch, WalError> {
         let limit = limit.max(1);
+        if let Some(cfg) = self.streaming.clone() {
+            return self.read_stream(conn, &cfg, limit).await;
+        }
         let flush: Position =
             diesel::sql_query("SELECT (pg_current_wal_flush_lsn() - '0/0'::pg_lsn)::bigint AS lsn")
                 .get_result(conn)
@@ -536,30 +681,6 @@ impl WalReader {
         for change in &changes {
             match pgoutput::decode(&change.data)? {
                 Message::Begin { xid, .. } => current = Some((xid, Vec::new())),
-                Message::Relation(r) => {
-                    self.relations.insert(r.oid, r);
-                }
-                Message::Insert { relation, tuple } => {
-                    if let (Some((_, rows)), Some(rel)) =
-                        (current.as_mut(), self.our_relation(relation))
-                        && !is_set(&tuple, rel, "parked_at")
-                    {
-                        rows.push(Captured::Row(Box::new(self.to_row(rel, &tuple)?)));
-                    }
-                }
-                Message::Update { relation, tuple } => {
-                    if let (Some((_, rows)), Some(rel)) =
-                        (current.as_mut(), self.our_relation(relation))
-                        && is_null(&tuple, rel, "parked_at")
-                        && is_null(&tuple, rel, "published_at")
-                        && is_set(&tuple, rel, "last_error")
-                    {
-                        let seq = text(&tuple, rel, "seq")
-                            .and_then(|s| s.parse::<i64>().ok())
-                            .ok_or_else(|| self.bad("seq", "missing in an update".into()))?;
-                        rows.push(Captured::Released(seq));
-                    }
-                }
                 Message::Commit {
                     end_lsn,
                     commit_time_micros,
@@ -577,9 +698,64 @@ impl WalReader {
                         ));
                     }
                 }
-                Message::Delete { .. } | Message::Other(_) => {}
+                other => self.capture(other, current.as_mut().map(|c| &mut c.1))?,
             }
         }
+        let transactions = self.resolve(conn, transactions).await?;
+        let caught_up_to = if messages < limit {
+            flush.lsn.map(|l| Lsn(l as u64)).max(last_commit)
+        } else {
+            last_commit
+        };
+        Ok(WalBatch {
+            transactions,
+            caught_up_to,
+            messages,
+        })
+    }
+
+    /// Adds what one change means for the outbox to the open transaction's `rows`: an insert
+    /// (not written back as parked) is an event, an update that releases a parked row brings
+    /// it back; a relation is remembered; the rest is ignored.
+    fn capture(
+        &mut self,
+        message: Message,
+        rows: Option<&mut Vec<Captured>>,
+    ) -> Result<(), WalError> {
+        match message {
+            Message::Relation(r) => {
+                self.relations.insert(r.oid, r);
+            }
+            Message::Insert { relation, tuple } => {
+                if let (Some(rows), Some(rel)) = (rows, self.our_relation(relation))
+                    && !is_set(&tuple, rel, "parked_at")
+                {
+                    rows.push(Captured::Row(Box::new(self.to_row(rel, &tuple)?)));
+                }
+            }
+            Message::Update { relation, tuple } => {
+                if let (Some(rows), Some(rel)) = (rows, self.our_relation(relation))
+                    && is_null(&tuple, rel, "parked_at")
+                    && is_null(&tuple, rel, "published_at")
+                    && is_set(&tuple, rel, "last_error")
+                {
+                    let seq = text(&tuple, rel, "seq")
+                        .and_then(|s| s.parse::<i64>().ok())
+                        .ok_or_else(|| self.bad("seq", "missing in an update".into()))?;
+                    rows.push(Captured::Released(seq));
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// The transactions with their rows: a released parked row is read as it is now.
+    async fn resolve(
+        &self,
+        conn: &mut AsyncPgConnection,
+        transactions: Vec<(u32, Lsn, DateTime<Utc>, Vec<Captured>)>,
+    ) -> Result<Vec<Transaction>, WalError> {
         let released: Vec<i64> = transactions
             .iter()
             .flat_map(|t| t.3.iter())
@@ -612,16 +788,7 @@ impl WalReader {
                     .collect(),
             })
             .collect::<Vec<_>>();
-        let caught_up_to = if messages < limit {
-            flush.lsn.map(|l| Lsn(l as u64)).max(last_commit)
-        } else {
-            last_commit
-        };
-        Ok(WalBatch {
-            transactions,
-            caught_up_to,
-            messages,
-        })
+        Ok(transactions)
     }
 
     fn our_relation(&self, oid: u32) -> Option<&Relation> {
@@ -673,7 +840,29 @@ impl WalReader {
     /// Confirms that everything up to `to` is published: the slot will not return it again
     /// and PostgreSQL may recycle the WAL before it. Returns the slot's confirmed position.
     /// A position at or before the current one changes nothing.
-    pub async fn advance(&self, conn: &mut AsyncPgConnection, to: Lsn) -> Result<Lsn, WalError> {
+    pub async fn advance(
+        &mut self,
+        conn: &mut AsyncPgConnection,
+        to: Lsn,
+    ) -> Result<Lsn, WalError> {
+        if self.streaming.is_some() {
+            if to <= self.acked {
+                return Ok(self.acked);
+            }
+            self.acked = to;
+            match &self.stream {
+                Some(st) => st.client.update_applied_lsn(pgwire_replication::Lsn(to.0)),
+                // no replication connection holds the slot: confirm it directly
+                None => {
+                    self.advance_sql(conn, to).await?;
+                }
+            }
+            return Ok(to);
+        }
+        self.advance_sql(conn, to).await
+    }
+
+    async fn advance_sql(&self, conn: &mut AsyncPgConnection, to: Lsn) -> Result<Lsn, WalError> {
         let p: Position = diesel::sql_query(
             "SELECT (CASE WHEN s.confirmed_flush_lsn < $2::pg_lsn \
              THEN (SELECT end_lsn FROM pg_replication_slot_advance($1::name, $2::pg_lsn)) \
@@ -702,6 +891,245 @@ impl WalReader {
             .and_then(|p| p.lsn)
             .map(|l| Lsn(l as u64)))
     }
+}
+
+/// The streaming way of reading (see [`WalReader::streaming`]).
+impl WalReader {
+    async fn read_stream(
+        &mut self,
+        conn: &mut AsyncPgConnection,
+        cfg: &StreamConfig,
+        limit: usize,
+    ) -> Result<WalBatch, WalError> {
+        if self.stream.is_none() {
+            self.connect(conn, cfg).await?;
+        }
+        let Some(mut st) = self.stream.take() else {
+            return Ok(WalBatch::default());
+        };
+        let result = self.receive(&mut st, cfg, limit).await;
+        match result {
+            Ok((transactions, messages, caught_up)) => {
+                let caught_up_to = if caught_up && st.open.is_none() {
+                    st.received_to
+                } else {
+                    transactions.last().map(|t| t.1).or(st.received_to)
+                };
+                self.stream = Some(st);
+                let transactions = self.resolve(conn, transactions).await?;
+                Ok(WalBatch {
+                    transactions,
+                    caught_up_to,
+                    messages,
+                })
+            }
+            // the connection is gone: the next read connects again from the confirmed position
+            Err(e) => {
+                st.client.abort();
+                Err(e)
+            }
+        }
+    }
+
+    /// Receives until `limit` messages and the end of a transaction, or until nothing more
+    /// is ready (after waiting up to `cfg.wait` for the first message). Returns the committed
+    /// transactions with events, the messages received, and whether it stopped for want of
+    /// more.
+    #[allow(clippy::type_complexity)]
+    async fn receive(
+        &mut self,
+        st: &mut Stream,
+        cfg: &StreamConfig,
+        limit: usize,
+    ) -> Result<(Vec<(u32, Lsn, DateTime<Utc>, Vec<Captured>)>, usize, bool), WalError> {
+        use pgwire_replication::ReplicationEvent as Event;
+        let deadline = tokio::time::Instant::now() + cfg.wait;
+        let mut transactions = Vec::new();
+        let mut messages = 0usize;
+        loop {
+            if messages >= limit && st.open.is_none() {
+                return Ok((transactions, messages, false));
+            }
+            // wait for the first message; then take what is ready (a transaction being
+            // received is finished on a later read if it is not all here yet)
+            let until = if messages == 0 {
+                deadline
+            } else {
+                tokio::time::Instant::now()
+            };
+            let event = match tokio::time::timeout_at(until, st.client.recv()).await {
+                Err(_) => return Ok((transactions, messages, true)),
+                Ok(Ok(Some(e))) => e,
+                Ok(Ok(None)) => {
+                    return Err(self.stream_error("the server ended the replication stream"));
+                }
+                Ok(Err(e)) => return Err(self.stream_error(e)),
+            };
+            match event {
+                Event::Begin {
+                    xid,
+                    commit_time_micros,
+                    ..
+                } => {
+                    messages += 1;
+                    st.open = Some((xid, pgoutput::commit_time(commit_time_micros), Vec::new()));
+                }
+                Event::XLogData { data, .. } => {
+                    messages += 1;
+                    let message = pgoutput::decode(&data)?;
+                    self.capture(message, st.open.as_mut().map(|o| &mut o.2))?;
+                }
+                Event::Commit {
+                    end_lsn,
+                    commit_time_micros,
+                    ..
+                } => {
+                    messages += 1;
+                    let end = Lsn(end_lsn.0);
+                    st.received_to = st.received_to.max(Some(end));
+                    if let Some((xid, at, rows)) = st.open.take()
+                        && !rows.is_empty()
+                        && end > self.acked
+                    {
+                        let at = if commit_time_micros != 0 {
+                            pgoutput::commit_time(commit_time_micros)
+                        } else {
+                            at
+                        };
+                        transactions.push((xid, end, at, rows));
+                    }
+                }
+                Event::KeepAlive { wal_end, .. } => {
+                    if st.open.is_none() {
+                        st.received_to = st.received_to.max(Some(Lsn(wal_end.0)));
+                    }
+                }
+                Event::Message { .. } | Event::StoppedAt { .. } => {}
+            }
+        }
+    }
+
+    fn stream_error(&self, reason: impl fmt::Display) -> WalError {
+        WalError::Stream {
+            slot: self.slot.clone(),
+            reason: reason.to_string(),
+        }
+    }
+
+    /// Opens the replication connection at the confirmed position. A replication connection
+    /// still holding the slot after its relay lost the slot's lock (a paused or cut-off
+    /// reader, whose sender lingers until `wal_sender_timeout`) is ended first: the caller
+    /// holds the lock now.
+    async fn connect(
+        &mut self,
+        conn: &mut AsyncPgConnection,
+        cfg: &StreamConfig,
+    ) -> Result<(), WalError> {
+        let confirmed = self.confirmed(conn).await?.unwrap_or_default();
+        self.acked = self.acked.max(confirmed);
+        let mut tries = 0;
+        loop {
+            let config = pgwire_replication::ReplicationConfig::new(
+                cfg.host.clone(),
+                cfg.user.clone(),
+                cfg.password.clone(),
+                cfg.database.clone(),
+                self.slot.clone(),
+                self.publication.clone(),
+            )
+            .with_port(cfg.port)
+            .with_start_lsn(pgwire_replication::Lsn(self.acked.0))
+            .with_ack_lsn(pgwire_replication::Lsn(self.acked.0))
+            .with_status_interval(Duration::from_secs(1))
+            .with_options("-c TimeZone=UTC -c DateStyle=ISO,YMD")
+            .with_application_name("outbox-relay");
+            let started = async {
+                let mut client = pgwire_replication::ReplicationClient::connect(config).await?;
+                client.wait_started().await?;
+                Ok::<_, pgwire_replication::PgWireError>(client)
+            };
+            match started.await {
+                Ok(client) => {
+                    self.relations.clear();
+                    self.stream = Some(Stream {
+                        client,
+                        open: None,
+                        received_to: None,
+                    });
+                    tracing::debug!(slot = %self.slot, lsn = %self.acked, "replication stream started");
+                    return Ok(());
+                }
+                Err(e) if e.to_string().contains("is active for PID") && tries < 50 => {
+                    tries += 1;
+                    end_stale_sender(conn, &self.slot).await?;
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => {
+                    let reason = e.to_string();
+                    return Err(
+                        if reason.contains("permission denied")
+                            || reason.contains("must be superuser or replication role")
+                            || reason.contains("replication connection")
+                        {
+                            WalError::ReplicationConnection {
+                                slot: self.slot.clone(),
+                                reason,
+                            }
+                        } else {
+                            self.stream_error(reason)
+                        },
+                    );
+                }
+            }
+        }
+    }
+
+    /// Ends a streaming reader's replication connection after telling the server the last
+    /// confirmed position, and confirms it on `conn` too, so that a clean stop leaves nothing
+    /// to read again. Reading afterwards connects again.
+    pub async fn close(&mut self, conn: &mut AsyncPgConnection) -> Result<(), WalError> {
+        if let Some(mut st) = self.stream.take() {
+            let stopped = tokio::time::timeout(Duration::from_secs(5), st.client.shutdown()).await;
+            if !matches!(stopped, Ok(Ok(()))) {
+                st.client.abort();
+            }
+        }
+        if self.streaming.is_none() || self.acked == Lsn(0) {
+            return Ok(());
+        }
+        // the sender lets go of the slot as it exits
+        for _ in 0..100 {
+            match self.advance_sql(conn, self.acked).await {
+                Err(WalError::SlotBusy { .. }) => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                other => return other.map(drop),
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops what was received and not confirmed: the next read starts again from the last
+    /// confirmed position (after a failed publish, to send the same transactions again).
+    pub fn rewind(&mut self) {
+        if let Some(mut st) = self.stream.take() {
+            st.client.abort();
+        }
+    }
+}
+
+/// Ends the walsender that holds `slot`, if any (not a SQL session that reads it for an
+/// instant, such as `outbox-relay status`).
+async fn end_stale_sender(conn: &mut AsyncPgConnection, slot: &str) -> Result<(), WalError> {
+    diesel::sql_query(
+        "SELECT pg_terminate_backend(s.active_pid) FROM pg_replication_slots s \
+         JOIN pg_stat_activity a ON a.pid = s.active_pid \
+         WHERE s.slot_name = $1 AND a.backend_type = 'walsender'",
+    )
+    .bind::<Text, _>(slot)
+    .execute(conn)
+    .await?;
+    Ok(())
 }
 
 enum Captured {

@@ -38,7 +38,7 @@ use crate::RelayConfig;
 use crate::lease::Lease;
 use crate::metrics as m;
 use crate::pipeline::{BatchEnd, publish_batch};
-use crate::relay::{Backoff, Health, idle, listen};
+use crate::relay::{Backoff, Health, idle};
 
 pub(crate) struct Tailing {
     pub(crate) cfg: Arc<RelayConfig>,
@@ -86,6 +86,9 @@ impl Tailing {
                 match e {
                     WalError::Query(e) => {
                         warn!(error = %e, "database session lost; the slot is free for a standby; reconnecting")
+                    }
+                    e @ WalError::Stream { .. } => {
+                        warn!(error = %e, "replication connection lost; the slot is free for a standby; reconnecting")
                     }
                     e => error!(error = %e, "log tailing cannot go on; retrying"),
                 }
@@ -138,21 +141,20 @@ impl Tailing {
                 _ = self.shutdown.cancelled() => return Ok(()),
             }
         }
-        let mut reader = WalReader::new(cfg.table.clone(), slot.clone(), cfg.publication_name());
+        let mut reader = WalReader::new(cfg.table.clone(), slot.clone(), cfg.publication_name())
+            .streaming(&cfg.database_url, cfg.poll_interval)?;
         if let Some(at) = reader.setup(conn).await? {
             let before = wal::rows_before_slot(conn, &cfg.table).await?;
             if before > 0 {
                 warn!(slot = %slot, lsn = %at, rows = before, "the slot was just created: it reads what commits from now on; rows recorded before it and not marked published by a polling relay are not relayed by log tailing (drain them with a polling relay once)");
             }
         }
-        if cfg.listen {
-            listen(conn, &cfg.table).await?;
-        }
         self.set_reader(true);
         info!(slot = %slot, publication = %reader.publication(), "reading the slot");
         let result = self.read_loop(conn, &mut reader, &mut lease, backoff).await;
         if result.is_ok() {
-            // a clean stop: hand the slot over at once
+            // a clean stop: confirm what was acked and hand the slot over at once
+            reader.close(conn).await?;
             wal::unlock_slot(conn, &slot).await?;
             info!(slot = %slot, "slot released");
         }
@@ -182,8 +184,13 @@ impl Tailing {
                 self.cleanup(conn, &state).await?;
                 next_cleanup = Instant::now() + cfg.captured_cleanup_interval;
             }
-            let started = Instant::now();
-            let batch = match reader.read(conn, cfg.batch_size).await {
+            // the stream waits up to the poll interval for a transaction; it proves nothing
+            // about the session that holds the slot's lock, so the lease is not confirmed here
+            let read = tokio::select! {
+                r = reader.read(conn, cfg.batch_size) => r,
+                _ = self.shutdown.cancelled() => break,
+            };
+            let batch = match read {
                 Ok(b) => b,
                 Err(WalError::SlotBusy { .. }) => {
                     // `outbox-relay status` reads the slot for an instant
@@ -192,7 +199,6 @@ impl Tailing {
                 }
                 Err(e) => return Err(e),
             };
-            lease.confirm(started);
             let (rows, txn_of) = pending_rows(&batch, &state.parked);
             let (acked, end) = if rows.is_empty() {
                 (Vec::new(), BatchEnd::Done)
@@ -217,7 +223,9 @@ impl Tailing {
                     Err(WalError::SlotBusy { .. }) => state.confirmed,
                     Err(e) => return Err(e),
                 };
-                lease.confirm(started);
+                if !reader.is_streaming() {
+                    lease.confirm(started);
+                }
                 state.max_confirmed_seq = state.max_confirmed_seq.max(max_seq);
                 let confirmed = state.confirmed;
                 state.parked.retain(|(_, lsn)| *lsn > confirmed);
@@ -228,10 +236,17 @@ impl Tailing {
                     state.attempts.remove(&r.id);
                 }
             }
+            if !matches!(end, BatchEnd::Done) {
+                // what was not acked comes again from the confirmed position
+                reader.rewind();
+            }
             match end {
                 BatchEnd::Done => {
                     backoff.reset();
-                    if batch.transactions.is_empty() && batch.messages < cfg.batch_size {
+                    if !reader.is_streaming()
+                        && batch.transactions.is_empty()
+                        && batch.messages < cfg.batch_size
+                    {
                         idle(
                             conn,
                             cfg,
