@@ -31,6 +31,7 @@ use outbox_diesel::{InboxExt, OutboxEvent, OutboxExt};
 use serde::Serialize;
 use support::checker::{self, DbEvent, Report, StreamMessage};
 use support::servers::{NatsServer, PgCluster};
+use support::slot::Slot;
 use support::{Proc, TestDb, TestStream, example_bin, relay_bin, relay_command, wait_until};
 
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -47,6 +48,8 @@ enum Mode {
     OrderedDeleting,
     /// Competing workers, two per relay.
     Unordered,
+    /// One reader of a replication slot and one standby.
+    LogTailing,
 }
 
 impl Mode {
@@ -68,6 +71,7 @@ impl Mode {
                 "--batch-size",
                 "50",
             ],
+            Mode::LogTailing => &["--mode", "log-tailing", "--batch-size", "50"],
         };
         args.iter().map(|s| s.to_string()).collect()
     }
@@ -76,7 +80,20 @@ impl Mode {
         match self {
             Mode::Ordered | Mode::OrderedDeleting => report.assert_exact_and_ordered(),
             Mode::Unordered => report.assert_exact(),
+            Mode::LogTailing => report.assert_captured_in_order(),
         }
+    }
+
+    /// The relays' arguments and, for log tailing, the slot they read: made now, before the
+    /// writer starts, so that it captures every commit (declare it before the relays, so that
+    /// it is dropped after them and before the database).
+    fn setup(self, db: &TestDb) -> (Vec<String>, Option<Slot>) {
+        let mut args = self.relay_args();
+        let slot = (self == Mode::LogTailing).then(|| Slot::create(db));
+        if let Some(slot) = &slot {
+            args.extend(["--slot".to_owned(), slot.name.clone()]);
+        }
+        (args, slot)
     }
 
     /// Whether its relays share partitions.
@@ -347,18 +364,33 @@ fn published(db: &TestDb) -> i64 {
     db.scalar("SELECT count(*) FROM outbox_record WHERE published_at IS NOT NULL")
 }
 
-/// Waits until every committed row is marked published (or deleted).
-async fn drained(db: &TestDb, timeout: Duration) {
+/// Waits until every committed row is marked published (or deleted); with log tailing, until
+/// the slot is confirmed past every commit.
+async fn drained(db: &TestDb, slot: Option<&Slot>, timeout: Duration) {
+    if let Some(slot) = slot {
+        return slot.confirmed_past_now(db, timeout).await;
+    }
     wait_until(timeout, "every outbox row published", || async {
         db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL") == 0
     })
     .await;
 }
 
-/// Waits until at least `n` rows are published.
-async fn published_at_least(db: &TestDb, n: i64, timeout: Duration) {
+/// Waits until at least `n` rows are published: marked or deleted, or with log tailing
+/// (which marks nothing) in the stream.
+async fn published_at_least(
+    db: &TestDb,
+    stream: &TestStream,
+    slot: Option<&Slot>,
+    n: i64,
+    timeout: Duration,
+) {
     wait_until(timeout, &format!("{n} rows published"), || async {
-        published(db) >= n
+        if slot.is_some() {
+            stream.count().await as i64 >= n
+        } else {
+            published(db) >= n
+        }
     })
     .await;
 }
@@ -385,7 +417,8 @@ async fn relay_kills(test: &str, mode: Mode, size: Size) {
     let _serial = SERIAL.lock().await;
     let (db, stream, logs) = (fault_db(TestDb::new()), TestStream::new(), Logs::new(test));
     let mut rng = Rng::new(test);
-    let mut relays = Relays::start(&db, &stream, &logs, mode.relay_args(), 2);
+    let (args, slot) = mode.setup(&db);
+    let mut relays = Relays::start(&db, &stream, &logs, args, 2);
     let mut w = steady_writer(&db, &logs, size);
     for k in 1..=size.faults {
         next_fault(&db, size, k, &mut rng).await;
@@ -394,7 +427,7 @@ async fn relay_kills(test: &str, mode: Mode, size: Size) {
     }
     let committed = finished(&mut w, size).await;
     assert_eq!(committed, size.events);
-    drained(&db, size.timeout()).await;
+    drained(&db, slot.as_ref(), size.timeout()).await;
     drop(relays);
     let r = report(test, &db, &stream).await;
     assert_eq!(r.committed as u64, size.events, "{r}");
@@ -417,6 +450,11 @@ async fn relay_killed_at_random_points_loses_and_duplicates_nothing_deleting() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_killed_at_random_points_loses_and_duplicates_nothing_log_tailing() {
+    relay_kills("relay_kills_log_tailing", Mode::LogTailing, SHORT).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "long: 200,000 events, 50 kills"]
 async fn long_relay_killed_50_times_loses_and_duplicates_nothing_ordered() {
     relay_kills("long_relay_kills_ordered", Mode::Ordered, LONG).await;
@@ -432,6 +470,12 @@ async fn long_relay_killed_50_times_loses_and_duplicates_nothing_unordered() {
 #[ignore = "long: 200,000 events, 50 kills"]
 async fn long_relay_killed_50_times_loses_and_duplicates_nothing_deleting() {
     relay_kills("long_relay_kills_deleting", Mode::OrderedDeleting, LONG).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: 200,000 events, 50 kills"]
+async fn long_relay_killed_50_times_loses_and_duplicates_nothing_log_tailing() {
+    relay_kills("long_relay_kills_log_tailing", Mode::LogTailing, LONG).await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -450,7 +494,8 @@ async fn writer_kills(test: &str, mode: Mode, size: Size) {
     let _serial = SERIAL.lock().await;
     let (db, stream, logs) = (fault_db(TestDb::new()), TestStream::new(), Logs::new(test));
     let mut rng = Rng::new(test);
-    let _relays = Relays::start(&db, &stream, &logs, mode.relay_args(), 2);
+    let (args, slot) = mode.setup(&db);
+    let _relays = Relays::start(&db, &stream, &logs, args, 2);
     let mut steady = steady_writer(&db, &logs, size);
     let mut killed_in_flight = 0;
     for k in 1..=size.faults {
@@ -501,7 +546,7 @@ async fn writer_kills(test: &str, mode: Mode, size: Size) {
     );
     assert_eq!(failed, 0, "{out}");
 
-    drained(&db, size.timeout()).await;
+    drained(&db, slot.as_ref(), size.timeout()).await;
     let r = report(test, &db, &stream).await;
     eprintln!(
         "{test}: {killed_in_flight} writers killed between write and commit, {rolled_back} transactions rolled back after recording"
@@ -517,6 +562,11 @@ async fn writer_killed_before_commit_or_rolled_back_publishes_nothing_ordered() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writer_killed_before_commit_or_rolled_back_publishes_nothing_deleting() {
     writer_kills("writer_kills_deleting", Mode::OrderedDeleting, SHORT).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writer_killed_before_commit_or_rolled_back_publishes_nothing_log_tailing() {
+    writer_kills("writer_kills_log_tailing", Mode::LogTailing, SHORT).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -549,7 +599,8 @@ async fn nats_outages(test: &str, mode: Mode, size: Size, restarts: usize) {
         TestStream::on(&nats.url()),
         Logs::new(test),
     );
-    let _relays = Relays::start(&db, &stream, &logs, mode.relay_args(), 2);
+    let (args, slot) = mode.setup(&db);
+    let _relays = Relays::start(&db, &stream, &logs, args, 2);
     let mut w = steady_writer(&db, &logs, size);
     wait_until(
         Duration::from_secs(15),
@@ -557,12 +608,14 @@ async fn nats_outages(test: &str, mode: Mode, size: Size, restarts: usize) {
         || async { db.scalar("SELECT count(*) FROM outbox_record") >= 200 },
     )
     .await;
+    // (log tailing marks nothing; what it must not do, confirm the slot without an ack, the
+    // checker sees as events missing from the stream)
     assert_eq!(published(&db), 0, "nothing is marked while NATS is down");
     nats.restart();
 
     let step = size.events as i64 / (restarts as i64 + 2);
     for r in 1..=restarts {
-        published_at_least(&db, step * r as i64, size.timeout()).await;
+        published_at_least(&db, &stream, slot.as_ref(), step * r as i64, size.timeout()).await;
         nats.stop(); // SIGKILL
         let before = db.scalar("SELECT count(*) FROM outbox_record");
         wait_until(
@@ -575,7 +628,7 @@ async fn nats_outages(test: &str, mode: Mode, size: Size, restarts: usize) {
     }
     let committed = finished(&mut w, size).await;
     assert_eq!(committed, size.events);
-    drained(&db, size.timeout()).await;
+    drained(&db, slot.as_ref(), size.timeout()).await;
     let r = report(test, &db, &stream).await;
     mode.assert(&r);
 }
@@ -593,6 +646,11 @@ async fn nats_started_late_and_restarted_mid_run_loses_nothing_unordered() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_started_late_and_restarted_mid_run_loses_nothing_deleting() {
     nats_outages("nats_outages_deleting", Mode::OrderedDeleting, SHORT, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_started_late_and_restarted_mid_run_loses_nothing_log_tailing() {
+    nats_outages("nats_outages_log_tailing", Mode::LogTailing, SHORT, 1).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -614,7 +672,8 @@ async fn sessions_terminated(test: &str, mode: Mode, size: Size) {
     let _serial = SERIAL.lock().await;
     let (db, stream, logs) = (fault_db(TestDb::new()), TestStream::new(), Logs::new(test));
     let mut rng = Rng::new(test);
-    let _relays = Relays::start(&db, &stream, &logs, mode.relay_args(), 2);
+    let (args, slot) = mode.setup(&db);
+    let _relays = Relays::start(&db, &stream, &logs, args, 2);
     let mut w = steady_writer(&db, &logs, size);
     let mut terminated = 0;
     for k in 1..=size.faults {
@@ -630,7 +689,7 @@ async fn sessions_terminated(test: &str, mode: Mode, size: Size) {
     );
     let committed = finished(&mut w, size).await;
     assert_eq!(committed, size.events);
-    drained(&db, size.timeout()).await;
+    drained(&db, slot.as_ref(), size.timeout()).await;
     let r = report(test, &db, &stream).await;
     eprintln!("{test}: {terminated} relay sessions terminated");
     mode.assert(&r);
@@ -649,6 +708,12 @@ async fn relay_sessions_terminated_lose_and_duplicate_nothing_unordered() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_sessions_terminated_lose_and_duplicate_nothing_deleting() {
     sessions_terminated("sessions_terminated_deleting", Mode::OrderedDeleting, SHORT).await;
+}
+
+/// With log tailing the terminated sessions include the reader's replication connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_sessions_terminated_lose_and_duplicate_nothing_log_tailing() {
+    sessions_terminated("sessions_terminated_log_tailing", Mode::LogTailing, SHORT).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -671,16 +736,17 @@ async fn postgres_restarts(test: &str, mode: Mode, size: Size, restarts: usize) 
         TestStream::new(),
         Logs::new(test),
     );
-    let _relays = Relays::start(&db, &stream, &logs, mode.relay_args(), 2);
+    let (args, slot) = mode.setup(&db);
+    let _relays = Relays::start(&db, &stream, &logs, args, 2);
     let mut w = steady_writer(&db, &logs, size);
     let step = size.events as i64 / (restarts as i64 + 2);
     for r in 1..=restarts {
-        published_at_least(&db, step * r as i64, size.timeout()).await;
+        published_at_least(&db, &stream, slot.as_ref(), step * r as i64, size.timeout()).await;
         cluster.restart(); // an immediate stop (a crash) and a start with recovery
     }
     let committed = finished(&mut w, size).await;
     assert!(committed >= size.events, "{committed}");
-    drained(&db, size.timeout()).await;
+    drained(&db, slot.as_ref(), size.timeout()).await;
     let r = report(test, &db, &stream).await;
     mode.assert(&r);
 }
@@ -704,6 +770,11 @@ async fn postgres_restarted_mid_run_loses_and_duplicates_nothing_deleting() {
         1,
     )
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_restarted_mid_run_loses_and_duplicates_nothing_log_tailing() {
+    postgres_restarts("postgres_restarts_log_tailing", Mode::LogTailing, SHORT, 1).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -793,7 +864,7 @@ async fn paused_relay(test: &str, mode: Mode, size: Size, pauses: usize) {
     }
     let committed = finished(&mut w, size).await;
     assert_eq!(committed, size.events);
-    drained(&db, size.timeout()).await;
+    drained(&db, None, size.timeout()).await;
     let r = report(test, &db, &stream).await;
     eprintln!("{test}: handovers after {handovers:?} (lease {LEASE:?})");
     mode.assert(&r);
@@ -933,7 +1004,7 @@ async fn relay_down_past_the_duplicate_window_republishes_and_the_inbox_applies_
         &["--count", "500", "--aggregates", "50", "--async-commit"],
     );
     assert_eq!(finished(&mut w, size).await, 500);
-    drained(&db, size.timeout()).await;
+    drained(&db, None, size.timeout()).await;
 
     // the relay dies after JetStream acked its last batch and before it marked it
     relays.procs[0].kill();
@@ -947,7 +1018,7 @@ async fn relay_down_past_the_duplicate_window_republishes_and_the_inbox_applies_
     // and stays down longer than the duplicate window (the fault itself, not a synchronisation)
     tokio::time::sleep(window * 2).await;
     relays.kill_and_restart(0);
-    drained(&db, size.timeout()).await;
+    drained(&db, None, size.timeout()).await;
     drop(relays);
 
     let r = report(test, &db, &stream).await;

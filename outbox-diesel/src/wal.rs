@@ -1393,4 +1393,35 @@ mod tests {
         assert!(check_slot_name("").is_err());
         assert!(check_slot_name(&"a".repeat(64)).is_err());
     }
+
+    fn stream_config(url: &str) -> StreamConfig {
+        let r = WalReader::new(OutboxTable::DEFAULT, "s", "p")
+            .streaming(url, Duration::from_millis(5))
+            .expect("a usable URL");
+        r.streaming.expect("streaming set")
+    }
+
+    #[test]
+    fn the_replication_connection_uses_the_database_url() {
+        let c = stream_config("postgres://relay:s%40cret@db.internal:6432/app");
+        assert_eq!(
+            (&*c.host, c.port, &*c.user, &*c.password, &*c.database),
+            ("db.internal", 6432, "relay", "s@cret", "app")
+        );
+        assert_eq!(c.wait, Duration::from_millis(5));
+        let c = stream_config("host=/var/run/postgresql user=relay dbname=app");
+        assert_eq!(
+            (&*c.host, c.port, &*c.user, &*c.database),
+            ("/var/run/postgresql", 5432, "relay", "app")
+        );
+        // the database defaults to the user's name, as libpq does
+        assert_eq!(stream_config("postgres://relay@db").database, "relay");
+        let err = WalReader::new(OutboxTable::DEFAULT, "s", "p")
+            .streaming("postgres://db:notaport/app", Duration::ZERO)
+            .expect_err("a bad port");
+        assert!(
+            err.to_string().contains("cannot use the database URL"),
+            "{err}"
+        );
+    }
 }

@@ -14,6 +14,7 @@ use futures_util::StreamExt;
 
 pub mod checker;
 pub mod servers;
+pub mod slot;
 
 /// The PostgreSQL server the tests use: `OUTBOX_TEST_PG` or the machine's on 127.0.0.1:5432.
 pub fn pg_base() -> String {
@@ -59,6 +60,11 @@ impl TestDb {
         let mut conn = db.conn();
         outbox_diesel::run_migrations(&mut conn).expect("migrate the outbox");
         db
+    }
+
+    /// The URL of the server's `postgres` database.
+    pub fn admin_url(&self) -> &str {
+        &self.admin_url
     }
 
     pub fn conn(&self) -> PgConnection {
