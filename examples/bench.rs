@@ -15,8 +15,8 @@
 //! 1. relay throughput (300-byte JSON payloads, file storage, dedup on) per mode, `outbox-relay`
 //!    processes against a bare async-nats program publishing the same messages with the same
 //!    headers and window, with the CPU each process spent per event;
-//! 2. commit-to-ack latency at a steady rate of committed transactions, with `NOTIFY` wake-up and
-//!    poll-only;
+//! 2. commit-to-ack latency at a steady rate of committed transactions, with `NOTIFY` wake-up,
+//!    poll-only, and log tailing;
 //! 3. write-path cost: business transactions per second alone, with a hand-written Diesel insert
 //!    of the outbox row, and with `record_event` (sync and async), 8 writers;
 //! 4. the poll query's time with published rows kept and with an unpublished backlog;
@@ -622,25 +622,36 @@ impl Bench {
         );
         println!("| rate | wake-up | p50 ms | p99 ms | max ms |");
         println!("|---|---|---|---|---|");
+        let logical = self.wal_level()? == "logical";
         for rate in [1000u32, 5000] {
-            for listen in [true, false] {
-                let (p50, p99, max) = self.latency_run(rate, listen).await?;
-                let how = if listen {
-                    "LISTEN/NOTIFY (debounced 10 ms) + 100 ms poll"
-                } else {
-                    "poll only, 100 ms"
+            for wake in [Wake::Notify, Wake::Poll, Wake::Tailing] {
+                let how = match wake {
+                    Wake::Notify => "LISTEN/NOTIFY (debounced 10 ms) + 100 ms poll",
+                    Wake::Poll => "poll only, 100 ms",
+                    Wake::Tailing => "log tailing (the replication stream pushes each commit)",
                 };
+                if wake == Wake::Tailing && !logical {
+                    println!("| {rate}/s | {how} | skipped: `wal_level` is not `logical` | | |");
+                    continue;
+                }
+                let (p50, p99, max) = self.latency_run(rate, wake).await?;
                 println!("| {rate}/s | {how} | {p50:.1} | {p99:.1} | {max:.1} |");
             }
         }
         Ok(())
     }
 
-    async fn latency_run(&mut self, rate: u32, listen: bool) -> Result<(f64, f64, f64)> {
+    async fn latency_run(&mut self, rate: u32, wake: Wake) -> Result<(f64, f64, f64)> {
         self.reset_outbox()?;
-        let name = format!("BENCH_LAT_{rate}_{listen}");
-        let prefix = format!("benchlat{rate}{listen}");
+        let listen = wake == Wake::Notify;
+        let tag = format!("{wake:?}").to_lowercase();
+        let name = format!("BENCH_LAT_{rate}_{tag}");
+        let prefix = format!("benchlat{rate}{tag}");
         self.stream(&name, &prefix).await?;
+        let slot = format!("{}_slot", self.db_name);
+        if wake == Wake::Tailing {
+            self.create_slot(&slot)?;
+        }
         let committed: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
         let mut sub = self.nats.subscribe(format!("{prefix}.>")).await?;
         let shutdown = CancellationToken::new();
@@ -650,6 +661,11 @@ impl Bench {
             .subject_prefix(prefix.clone())
             .listen(listen)
             .batch_size(self.args.batch_size);
+        let config = if wake == Wake::Tailing {
+            config.mode(Mode::LogTailing).slot(slot.clone())
+        } else {
+            config
+        };
         let relay = tokio::spawn(Relay::new(config, nats).run(shutdown.clone()));
         tokio::time::sleep(Duration::from_millis(500)).await;
         let duration = Duration::from_secs(self.args.seconds.max(3));
@@ -720,6 +736,9 @@ impl Bench {
         }
         shutdown.cancel();
         relay.await??;
+        if wake == Wake::Tailing {
+            self.drop_slot(&slot)?;
+        }
         latencies.sort_by(|a, b| a.total_cmp(b));
         if latencies.is_empty() {
             bail!("no message arrived");
@@ -994,6 +1013,17 @@ impl Bench {
         );
         Ok(())
     }
+}
+
+/// How the relay of a latency run learns of a commit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wake {
+    /// A polling relay woken by the recording side's `NOTIFY`.
+    Notify,
+    /// A polling relay, polling only.
+    Poll,
+    /// The log-tailing relay.
+    Tailing,
 }
 
 #[derive(Clone, Copy)]
