@@ -635,6 +635,44 @@ async fn a_role_without_replication_gets_a_clear_error() {
     let _ = diesel::sql_query(format!("DROP ROLE IF EXISTS {role}")).execute(&mut admin);
 }
 
+/// The slot and the publication made beforehand by a superuser: the relay's role still needs
+/// `REPLICATION` to stream the slot, and hears so at start-up instead of retrying for ever.
+#[tokio::test]
+async fn a_role_without_replication_cannot_stream_a_slot_made_for_it() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let slot = Slot::create(&db);
+    let role = format!("lt_role_{}", &slot.name[3..15]);
+    let mut conn = db.conn();
+    diesel::sql_query(format!("CREATE ROLE {role} LOGIN"))
+        .execute(&mut conn)
+        .expect("role");
+    diesel::sql_query(format!(
+        "GRANT SELECT, INSERT, UPDATE, DELETE ON outbox TO {role}"
+    ))
+    .execute(&mut conn)
+    .expect("grant");
+    let url = db.url.replacen("postgres@", &format!("{role}@"), 1);
+    let out = relay_command(
+        &db,
+        &stream,
+        &["--mode", "log-tailing", "--slot", &slot.name],
+    )
+    .env("DATABASE_URL", &url)
+    .output()
+    .expect("run");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("refused a replication connection") && err.contains("REPLICATION"),
+        "{err}"
+    );
+    assert_eq!(stream.count().await, 0);
+    drop(conn);
+    let _ = diesel::sql_query(format!("DROP OWNED BY {role}")).execute(&mut db.conn());
+    let mut admin = PgConnection::establish(db.admin_url()).expect("admin");
+    let _ = diesel::sql_query(format!("DROP ROLE IF EXISTS {role}")).execute(&mut admin);
+}
+
 #[tokio::test]
 async fn a_poison_event_is_parked_passed_over_and_published_again_on_retry() {
     use async_nats::jetstream::stream::Config;

@@ -1029,20 +1029,7 @@ impl WalReader {
         self.acked = self.acked.max(confirmed);
         let mut tries = 0;
         loop {
-            let config = pgwire_replication::ReplicationConfig::new(
-                cfg.host.clone(),
-                cfg.user.clone(),
-                cfg.password.clone(),
-                cfg.database.clone(),
-                self.slot.clone(),
-                self.publication.clone(),
-            )
-            .with_port(cfg.port)
-            .with_start_lsn(pgwire_replication::Lsn(self.acked.0))
-            .with_ack_lsn(pgwire_replication::Lsn(self.acked.0))
-            .with_status_interval(Duration::from_secs(1))
-            .with_options("-c TimeZone=UTC -c DateStyle=ISO,YMD")
-            .with_application_name("outbox-relay");
+            let config = self.replication_config(cfg);
             let started = async {
                 let mut client = pgwire_replication::ReplicationClient::connect(config).await?;
                 client.wait_started().await?;
@@ -1064,24 +1051,59 @@ impl WalReader {
                     end_stale_sender(conn, &self.slot).await?;
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
-                Err(e) => {
-                    let reason = e.to_string();
-                    return Err(
-                        if reason.contains("permission denied")
-                            || reason.contains("must be superuser or replication role")
-                            || reason.contains("replication connection")
-                        {
-                            WalError::ReplicationConnection {
-                                slot: self.slot.clone(),
-                                reason,
-                            }
-                        } else {
-                            self.stream_error(reason)
-                        },
-                    );
-                }
+                Err(e) => return Err(self.connection_error(e)),
             }
         }
+    }
+
+    fn replication_config(&self, cfg: &StreamConfig) -> pgwire_replication::ReplicationConfig {
+        pgwire_replication::ReplicationConfig::new(
+            cfg.host.clone(),
+            cfg.user.clone(),
+            cfg.password.clone(),
+            cfg.database.clone(),
+            self.slot.clone(),
+            self.publication.clone(),
+        )
+        .with_port(cfg.port)
+        .with_start_lsn(pgwire_replication::Lsn(self.acked.0))
+        .with_ack_lsn(pgwire_replication::Lsn(self.acked.0))
+        .with_status_interval(Duration::from_secs(1))
+        .with_options("-c TimeZone=UTC -c DateStyle=ISO,YMD")
+        .with_application_name("outbox-relay")
+    }
+
+    fn connection_error(&self, e: pgwire_replication::PgWireError) -> WalError {
+        let reason = e.to_string();
+        if reason.contains("permission denied")
+            || reason.contains("must be superuser or replication role")
+            || reason.contains("replication connection")
+            || reason.contains("pg_hba.conf")
+        {
+            WalError::ReplicationConnection {
+                slot: self.slot.clone(),
+                reason,
+            }
+        } else {
+            self.stream_error(reason)
+        }
+    }
+
+    /// Checks that a streaming reader may open its replication connection (the role's
+    /// `REPLICATION` attribute, `pg_hba.conf`, a free sender), without touching the slot: a
+    /// start-up check, so that what retrying cannot fix is a clear error at once. Does nothing
+    /// for a reader that reads with SQL.
+    pub async fn check_replication(&self) -> Result<(), WalError> {
+        let Some(cfg) = &self.streaming else {
+            return Ok(());
+        };
+        let mut client =
+            pgwire_replication::ReplicationClient::connect_gated(self.replication_config(cfg))
+                .await
+                .map_err(|e| self.connection_error(e))?;
+        let identified = client.identify_system().await;
+        client.abort();
+        identified.map(drop).map_err(|e| self.connection_error(e))
     }
 
     /// Ends a streaming reader's replication connection after telling the server the last

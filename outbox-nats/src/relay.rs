@@ -256,8 +256,10 @@ impl Relay {
             cfg.table.clone(),
             cfg.slot_name(),
             cfg.publication_name(),
-        );
+        )
+        .streaming(&cfg.database_url, cfg.poll_interval)?;
         reader.setup(&mut conn).await?;
+        reader.check_replication().await?;
         Ok(())
     }
 
