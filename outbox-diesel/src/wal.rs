@@ -660,6 +660,31 @@ impl WalReader {
         if let Some(cfg) = self.streaming.clone() {
             return self.read_stream(conn, &cfg, limit).await;
         }
+        self.read_sql(conn, limit).await
+    }
+
+    /// [`WalReader::read`], waiting up to `wait` instead of the configured time for the first
+    /// transaction of a streaming reader (`Duration::ZERO`: only what has arrived). The same as
+    /// `read` for a reader that reads with SQL.
+    pub async fn read_within(
+        &mut self,
+        conn: &mut AsyncPgConnection,
+        limit: usize,
+        wait: Duration,
+    ) -> Result<WalBatch, WalError> {
+        let limit = limit.max(1);
+        if let Some(mut cfg) = self.streaming.clone() {
+            cfg.wait = wait;
+            return self.read_stream(conn, &cfg, limit).await;
+        }
+        self.read_sql(conn, limit).await
+    }
+
+    async fn read_sql(
+        &mut self,
+        conn: &mut AsyncPgConnection,
+        limit: usize,
+    ) -> Result<WalBatch, WalError> {
         let flush: Position =
             diesel::sql_query("SELECT (pg_current_wal_flush_lsn() - '0/0'::pg_lsn)::bigint AS lsn")
                 .get_result(conn)

@@ -23,7 +23,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use chrono::{DateTime, Utc};
@@ -37,8 +37,8 @@ use uuid::Uuid;
 use crate::RelayConfig;
 use crate::lease::Lease;
 use crate::metrics as m;
-use crate::pipeline::{BatchEnd, publish_batch};
-use crate::relay::{Backoff, Health, idle};
+use crate::pipeline::{BatchEnd, Pipeline};
+use crate::relay::{Backoff, Health};
 
 pub(crate) struct Tailing {
     pub(crate) cfg: Arc<RelayConfig>,
@@ -60,6 +60,62 @@ struct State {
     attempts: HashMap<Uuid, u32>,
     /// Parked events, by id and the end of their transaction, passed over until confirmed.
     parked: HashSet<(Uuid, Lsn)>,
+}
+
+/// The transactions read and not confirmed yet, in commit order, with their rows sent (or
+/// left unsent after a failure) and the acks come in.
+#[derive(Debug, Default)]
+struct Window {
+    batch: WalBatch,
+    /// Where the slot may be confirmed once every transaction of the window is acked.
+    caught_up_to: Option<Lsn>,
+    rows: Vec<OutboxRow>,
+    /// Each row's transaction, an index into `batch.transactions`.
+    txn_of: Vec<usize>,
+    /// The `seq` of the rows acked.
+    acked: Vec<i64>,
+}
+
+impl Window {
+    /// Drops the first `n` transactions (confirmed), their rows and their acks.
+    fn drop_confirmed(&mut self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let keep_from = self
+            .txn_of
+            .iter()
+            .position(|&t| t >= n)
+            .unwrap_or(self.rows.len());
+        let dropped: Vec<i64> = self.rows.drain(..keep_from).map(|r| r.seq).collect();
+        self.txn_of.drain(..keep_from);
+        for t in &mut self.txn_of {
+            *t -= n;
+        }
+        self.batch.transactions.drain(..n);
+        // one ack per dropped row: a confirmed transaction was acked whole
+        let mut left: HashMap<i64, usize> = HashMap::new();
+        for seq in dropped {
+            *left.entry(seq).or_default() += 1;
+        }
+        self.acked.retain(|seq| match left.get_mut(seq) {
+            Some(k) if *k > 0 => {
+                *k -= 1;
+                false
+            }
+            _ => true,
+        });
+    }
+
+    /// The row `seq` that was not acked, and the end of its transaction.
+    fn unacked_row(&self, seq: i64) -> Option<(OutboxRow, Lsn)> {
+        let i = self
+            .rows
+            .iter()
+            .position(|r| r.seq == seq && !self.acked.contains(&seq))?;
+        let t = self.batch.transactions.get(self.txn_of[i])?;
+        Some((self.rows[i].clone(), t.end_lsn))
+    }
 }
 
 impl Tailing {
@@ -118,7 +174,7 @@ impl Tailing {
     ) -> Result<(), WalError> {
         let cfg = &*self.cfg;
         let slot = cfg.slot_name();
-        let mut lease = Lease::new(cfg.lease);
+        let lease = Lease::new(cfg.lease);
         lease.configure(conn).await?;
         // stand by until this session holds the slot's lock
         let mut announced = false;
@@ -151,7 +207,7 @@ impl Tailing {
         }
         self.set_reader(true);
         info!(slot = %slot, publication = %reader.publication(), "reading the slot");
-        let result = self.read_loop(conn, &mut reader, &mut lease, backoff).await;
+        let result = self.read_loop(conn, &mut reader, &lease, backoff).await;
         if result.is_ok() {
             // a clean stop: confirm what was acked and hand the slot over at once
             reader.close(conn).await?;
@@ -161,11 +217,16 @@ impl Tailing {
         result
     }
 
+    /// Reads the stream and keeps the NATS pipeline full across reads: the rows of what was
+    /// read are sent while the acks of earlier ones arrive, and the slot is confirmed past the
+    /// transactions acked whole, in commit order. A failed publish stops the sending; the
+    /// acks in flight are let in, the slot confirmed as far as they allow, and the reader goes
+    /// back to the confirmed position, so that what was not acked comes again.
     async fn read_loop(
         &self,
         conn: &mut AsyncPgConnection,
         reader: &mut WalReader,
-        lease: &mut Lease,
+        lease: &Lease,
         backoff: &mut Backoff,
     ) -> Result<(), WalError> {
         let cfg = &*self.cfg;
@@ -175,6 +236,8 @@ impl Tailing {
         };
         let mut next_stats = Instant::now();
         let mut next_cleanup = Instant::now() + cfg.captured_cleanup_interval;
+        let mut window = Window::default();
+        let mut pipe = Pipeline::new(&self.js, cfg, lease, &self.shutdown);
         while !self.shutdown.is_cancelled() {
             if Instant::now() >= next_stats {
                 self.stats(conn, reader.slot(), &state).await?;
@@ -184,79 +247,62 @@ impl Tailing {
                 self.cleanup(conn, &state).await?;
                 next_cleanup = Instant::now() + cfg.captured_cleanup_interval;
             }
-            // the stream waits up to the poll interval for a transaction; it proves nothing
-            // about the session that holds the slot's lock, so the lease is not confirmed here
+            // with acks in flight, take only what has arrived; else wait for a transaction.
+            // The stream proves nothing about the session that holds the slot's lock, so the
+            // lease is not confirmed by a read.
+            let wait = if pipe.is_empty() {
+                cfg.poll_interval
+            } else {
+                Duration::ZERO
+            };
             let read = tokio::select! {
-                r = reader.read(conn, cfg.batch_size) => r,
+                r = reader.read_within(conn, cfg.batch_size, wait) => r,
                 _ = self.shutdown.cancelled() => break,
             };
             let batch = match read {
                 Ok(b) => b,
                 Err(WalError::SlotBusy { .. }) => {
                     // `outbox-relay status` reads the slot for an instant
-                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
                 Err(e) => return Err(e),
             };
-            let (rows, txn_of) = pending_rows(&batch, &state.parked);
-            let (acked, end) = if rows.is_empty() {
-                (Vec::new(), BatchEnd::Done)
-            } else {
+            let fresh = !batch.transactions.is_empty();
+            if fresh {
                 let span = info_span!(
                     "outbox.batch",
-                    batch.len = rows.len(),
                     batch.transactions = batch.transactions.len()
                 );
-                self.publish(conn, &rows, lease).instrument(span).await?
-            };
-            let (confirm_to, max_seq, first_open) = confirmable(&batch, &rows, &txn_of, &acked);
-            state.oldest_unconfirmed =
-                first_open.and_then(|i| batch.transactions.get(i).map(|t| t.commit_time));
-            if let Some(to) = confirm_to
-                && to > state.confirmed
-            {
-                let started = Instant::now();
-                state.confirmed = match reader.advance(conn, to).await {
-                    Ok(lsn) => lsn,
-                    // confirmed on the next round; until then a restart repeats a little more
-                    Err(WalError::SlotBusy { .. }) => state.confirmed,
-                    Err(e) => return Err(e),
-                };
-                if !reader.is_streaming() {
-                    lease.confirm(started);
-                }
-                state.max_confirmed_seq = state.max_confirmed_seq.max(max_seq);
-                let confirmed = state.confirmed;
-                state.parked.retain(|(_, lsn)| *lsn > confirmed);
-                debug!(lsn = %state.confirmed, acked = acked.len(), "slot confirmed");
+                self.send(conn, &mut pipe, &mut window, batch, &state.parked, lease)
+                    .instrument(span)
+                    .await?;
+            } else {
+                window.caught_up_to = window.caught_up_to.max(batch.caught_up_to);
+                // nothing new: let the acks in flight arrive
+                pipe.drain().await;
             }
-            for seq in &acked {
-                if let Some(r) = rows.iter().find(|r| r.seq == *seq) {
-                    state.attempts.remove(&r.id);
-                }
-            }
-            if !matches!(end, BatchEnd::Done) {
-                // what was not acked comes again from the confirmed position
-                reader.rewind();
-            }
-            match end {
-                BatchEnd::Done => {
+            self.confirm(conn, reader, &mut window, &mut pipe, &mut state)
+                .await?;
+            if !pipe.stopped() {
+                if !fresh {
                     backoff.reset();
-                    if !reader.is_streaming()
-                        && batch.transactions.is_empty()
-                        && batch.messages < cfg.batch_size
-                    {
-                        idle(
-                            conn,
-                            cfg,
-                            &self.shutdown,
-                            Instant::now() + cfg.poll_interval,
-                        )
-                        .await;
-                    }
                 }
-                BatchEnd::LeaseUnconfirmed => {}
+                continue;
+            }
+            // a failure: what is in flight still counts, the rest comes again
+            pipe.drain().await;
+            self.confirm(conn, reader, &mut window, &mut pipe, &mut state)
+                .await?;
+            let end = pipe.take_end();
+            reader.rewind();
+            let failed = match &end {
+                BatchEnd::RowFailed { seq, .. } => window.unacked_row(*seq),
+                _ => None,
+            };
+            window = Window::default();
+            match end {
+                BatchEnd::Done | BatchEnd::LeaseUnconfirmed => {}
                 BatchEnd::Transient => {
                     if !backoff.sleep(&self.shutdown).await {
                         break;
@@ -268,19 +314,14 @@ impl Tailing {
                     park_now,
                     ..
                 } => {
-                    let Some(i) = rows
-                        .iter()
-                        .position(|r| r.seq == seq && !acked.contains(&seq))
-                    else {
+                    let Some((row, end_lsn)) = failed else {
                         continue;
                     };
-                    let row = &rows[i];
-                    let end_lsn = batch.transactions[txn_of[i]].end_lsn;
                     let n = state.attempts.entry(row.id).or_insert(0);
                     *n += 1;
                     let n = *n;
                     if park_now || n >= cfg.max_attempts {
-                        wal::park(conn, &cfg.table, row, n as i32, &error).await?;
+                        wal::park(conn, &cfg.table, &row, n as i32, &error).await?;
                         state.attempts.remove(&row.id);
                         state.parked.insert((row.id, end_lsn));
                         metrics::counter!(m::ROWS_PARKED).increment(1);
@@ -294,33 +335,84 @@ impl Tailing {
                 }
             }
         }
+        // stopping: the acks in flight still count
+        pipe.drain().await;
+        self.confirm(conn, reader, &mut window, &mut pipe, &mut state)
+            .await?;
         Ok(())
     }
 
-    /// Publishes `rows` in chunks, renewing the lease between them: a transaction of many
-    /// events (read whole, published whole before the slot may move) can take longer than
-    /// half the lease to decode and publish, and the lease must not lapse on a live session.
-    async fn publish(
+    /// Adds `batch` to the window and sends its rows (not the parked ones) into the pipeline,
+    /// until it stops. Before a row is sent, a lease in doubt is renewed with a query: a
+    /// transaction of many events is read whole and may take longer than half the lease to
+    /// publish, and the lease must not lapse on a live session.
+    async fn send(
         &self,
         conn: &mut AsyncPgConnection,
-        rows: &[OutboxRow],
-        lease: &mut Lease,
-    ) -> Result<(Vec<i64>, BatchEnd), WalError> {
-        let chunk = (self.cfg.max_in_flight * 4).max(256);
-        let mut acked = Vec::with_capacity(rows.len());
-        for part in rows.chunks(chunk) {
-            if !lease.is_valid() {
-                let started = Instant::now();
-                diesel::sql_query("SELECT 1").execute(conn).await?;
-                lease.confirm(started);
+        pipe: &mut Pipeline<'_>,
+        window: &mut Window,
+        batch: WalBatch,
+        parked: &HashSet<(Uuid, Lsn)>,
+        lease: &Lease,
+    ) -> Result<(), WalError> {
+        window.caught_up_to = window.caught_up_to.max(batch.caught_up_to);
+        let (rows, txn_of) = pending_rows(&batch, parked);
+        let base = window.batch.transactions.len();
+        for (row, t) in rows.into_iter().zip(txn_of) {
+            if !pipe.stopped() {
+                if !lease.is_valid() {
+                    let started = Instant::now();
+                    diesel::sql_query("SELECT 1").execute(conn).await?;
+                    lease.confirm(started);
+                }
+                pipe.send(&row).await;
             }
-            let (done, end) = publish_batch(&self.js, &self.cfg, part, lease, &self.shutdown).await;
-            acked.extend(done);
-            if !matches!(end, BatchEnd::Done) || self.shutdown.is_cancelled() {
-                return Ok((acked, end));
+            window.rows.push(row);
+            window.txn_of.push(base + t);
+        }
+        window.batch.transactions.extend(batch.transactions);
+        Ok(())
+    }
+
+    /// Confirms the slot past the transactions of the window acked whole, and drops them.
+    async fn confirm(
+        &self,
+        conn: &mut AsyncPgConnection,
+        reader: &mut WalReader,
+        window: &mut Window,
+        pipe: &mut Pipeline<'_>,
+        state: &mut State,
+    ) -> Result<(), WalError> {
+        let acked = pipe.take_acked();
+        if !state.attempts.is_empty() {
+            for seq in &acked {
+                if let Some(r) = window.rows.iter().find(|r| r.seq == *seq) {
+                    state.attempts.remove(&r.id);
+                }
             }
         }
-        Ok((acked, BatchEnd::Done))
+        window.acked.extend(acked);
+        window.batch.caught_up_to = window.caught_up_to;
+        let (confirm_to, max_seq, first_open) =
+            confirmable(&window.batch, &window.rows, &window.txn_of, &window.acked);
+        state.oldest_unconfirmed =
+            first_open.and_then(|i| window.batch.transactions.get(i).map(|t| t.commit_time));
+        if let Some(to) = confirm_to
+            && to > state.confirmed
+        {
+            state.confirmed = match reader.advance(conn, to).await {
+                Ok(lsn) => lsn,
+                // confirmed on the next round; until then a restart repeats a little more
+                Err(WalError::SlotBusy { .. }) => state.confirmed,
+                Err(e) => return Err(e),
+            };
+            state.max_confirmed_seq = state.max_confirmed_seq.max(max_seq);
+            let confirmed = state.confirmed;
+            state.parked.retain(|(_, lsn)| *lsn > confirmed);
+            debug!(lsn = %state.confirmed, "slot confirmed");
+        }
+        window.drop_confirmed(first_open.unwrap_or(window.batch.transactions.len()));
+        Ok(())
     }
 
     /// Refreshes the slot's lag figures and warns when it lags.
@@ -506,5 +598,49 @@ mod tests {
         );
         let elsewhere: HashSet<_> = [(b.transactions[0].rows[1].id, Lsn(200))].into();
         assert_eq!(pending_rows(&b, &elsewhere).0.len(), 4);
+    }
+
+    /// The window as `send` fills it from `b`.
+    fn window(b: WalBatch) -> Window {
+        let (rows, txn_of) = pending_rows(&b, &HashSet::new());
+        Window {
+            caught_up_to: b.caught_up_to,
+            batch: b,
+            rows,
+            txn_of,
+            acked: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn the_window_drops_what_is_confirmed_and_keeps_the_rest_in_order() {
+        let mut w = window(batch());
+        // acks arrive across reads: the first transaction, then part of the second read
+        w.acked.extend([5, 6, 3]);
+        w.batch.caught_up_to = w.caught_up_to;
+        let (to, _, first_open) = confirmable(&w.batch, &w.rows, &w.txn_of, &w.acked);
+        assert_eq!((to, first_open), (Some(Lsn(200)), Some(2)));
+        w.drop_confirmed(2);
+        assert_eq!(w.rows.iter().map(|r| r.seq).collect::<Vec<_>>(), [7]);
+        assert_eq!(w.txn_of, [0]);
+        assert!(
+            w.acked.is_empty(),
+            "the acks of the dropped rows go with them"
+        );
+        assert_eq!(w.batch.transactions[0].end_lsn, Lsn(300));
+        // the failed row is found with its transaction's end, an acked one is not
+        assert_eq!(
+            w.unacked_row(7).map(|(r, lsn)| (r.seq, lsn)),
+            Some((7, Lsn(300)))
+        );
+        w.acked.push(7);
+        assert!(w.unacked_row(7).is_none());
+        w.batch.caught_up_to = w.caught_up_to;
+        assert_eq!(
+            confirmable(&w.batch, &w.rows, &w.txn_of, &w.acked).0,
+            Some(Lsn(400))
+        );
+        w.drop_confirmed(1);
+        assert!(w.rows.is_empty() && w.acked.is_empty() && w.batch.transactions.is_empty());
     }
 }

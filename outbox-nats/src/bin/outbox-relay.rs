@@ -516,14 +516,14 @@ struct SlotStatus {
     #[serde(flatten)]
     lag: outbox_diesel::wal::SlotLag,
     /// Seconds since the oldest unconfirmed transaction committed; `None` when it could not
-    /// be read (the reader held the slot at each try, or the role lacks REPLICATION).
+    /// be read (a reader streams the slot, or the role lacks REPLICATION).
     lag_seconds: Option<f64>,
     /// Past --slot-lag-warn-bytes or --stall-after.
     lagging: bool,
 }
 
 /// The slot's lag, when the slot exists. Reading its age decodes up to one transaction and
-/// needs the slot for an instant: a few tries step around the relay's own reads.
+/// needs the slot for an instant, so it is unknown while a reader streams the slot.
 async fn slot_status(conn: &mut AsyncPgConnection, args: &StatusArgs) -> Option<SlotStatus> {
     use outbox_diesel::wal;
     let slot = args
@@ -736,7 +736,9 @@ async fn status(args: StatusArgs) -> ExitCode {
             println!("slot lag         {} bytes", l.lag_bytes);
             match s.lag_seconds {
                 Some(secs) => println!("slot lag age     {secs:.3}s"),
-                None => println!("slot lag age     unknown (slot busy, or no REPLICATION right)"),
+                None => println!(
+                    "slot lag age     unknown (a reader streams the slot: see its outbox_slot_lag_seconds; or no REPLICATION right)"
+                ),
             }
             println!("slot retains     {} bytes of WAL", l.retained_bytes);
             println!(
