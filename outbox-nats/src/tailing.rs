@@ -63,56 +63,76 @@ struct State {
 }
 
 /// The transactions read and not confirmed yet, in commit order, with their rows sent (or
-/// left unsent after a failure) and the acks come in.
+/// left unsent after a failure).
+///
+/// The pipeline sends rows in window order and returns their acks in send order, so while
+/// nothing failed the acked rows are the first `acked` rows of the window: confirming is a
+/// walk from the front. After a failure later acks may still succeed out of that order;
+/// [`Window::acked_seqs`] then gives them all to [`confirmable`].
 #[derive(Debug, Default)]
 struct Window {
     batch: WalBatch,
     /// Where the slot may be confirmed once every transaction of the window is acked.
     caught_up_to: Option<Lsn>,
     rows: Vec<OutboxRow>,
-    /// Each row's transaction, an index into `batch.transactions`.
+    /// Each row's transaction, an index into `batch.transactions` (nondecreasing).
     txn_of: Vec<usize>,
-    /// The `seq` of the rows acked.
-    acked: Vec<i64>,
+    /// How many rows from the front are acked.
+    acked: usize,
 }
 
 impl Window {
-    /// Drops the first `n` transactions (confirmed), their rows and their acks.
+    /// After `n` more acks in order: the end of the last transaction acked whole (or the
+    /// caught-up position when all are), the highest `seq` up to it, and the first
+    /// transaction not acked whole.
+    fn ack_in_order(&mut self, n: usize) -> (Option<Lsn>, i64, Option<usize>) {
+        self.acked = (self.acked + n).min(self.rows.len());
+        let first_open = self.txn_of.get(self.acked).copied();
+        let done = first_open.unwrap_or(self.batch.transactions.len());
+        let mut to = done
+            .checked_sub(1)
+            .and_then(|t| self.batch.transactions.get(t))
+            .map(|t| t.end_lsn);
+        if first_open.is_none() {
+            to = to.max(self.caught_up_to);
+        }
+        let rows_done = self.txn_of.partition_point(|&t| t < done);
+        let max_seq = self.rows[..rows_done]
+            .iter()
+            .map(|r| r.seq)
+            .max()
+            .unwrap_or(0);
+        (to, max_seq, first_open)
+    }
+
+    /// Every acked `seq`: the first `acked` rows and `late`, acks that came after a failure.
+    fn acked_seqs(&self, late: &[i64]) -> Vec<i64> {
+        let mut all: Vec<i64> = self.rows[..self.acked].iter().map(|r| r.seq).collect();
+        all.extend_from_slice(late);
+        all
+    }
+
+    /// Drops the first `n` transactions (confirmed, so acked whole) and their rows.
     fn drop_confirmed(&mut self, n: usize) {
         if n == 0 {
             return;
         }
-        let keep_from = self
-            .txn_of
-            .iter()
-            .position(|&t| t >= n)
-            .unwrap_or(self.rows.len());
-        let dropped: Vec<i64> = self.rows.drain(..keep_from).map(|r| r.seq).collect();
-        self.txn_of.drain(..keep_from);
+        let rows = self.txn_of.partition_point(|&t| t < n);
+        self.rows.drain(..rows);
+        self.txn_of.drain(..rows);
         for t in &mut self.txn_of {
             *t -= n;
         }
         self.batch.transactions.drain(..n);
-        // one ack per dropped row: a confirmed transaction was acked whole
-        let mut left: HashMap<i64, usize> = HashMap::new();
-        for seq in dropped {
-            *left.entry(seq).or_default() += 1;
-        }
-        self.acked.retain(|seq| match left.get_mut(seq) {
-            Some(k) if *k > 0 => {
-                *k -= 1;
-                false
-            }
-            _ => true,
-        });
+        self.acked = self.acked.saturating_sub(rows);
     }
 
-    /// The row `seq` that was not acked, and the end of its transaction.
-    fn unacked_row(&self, seq: i64) -> Option<(OutboxRow, Lsn)> {
+    /// The row `seq` that was not acked (given every acked `seq`), and its transaction's end.
+    fn unacked_row(&self, seq: i64, acked: &[i64]) -> Option<(OutboxRow, Lsn)> {
         let i = self
             .rows
             .iter()
-            .position(|r| r.seq == seq && !self.acked.contains(&seq))?;
+            .position(|r| r.seq == seq && !acked.contains(&seq))?;
         let t = self.batch.transactions.get(self.txn_of[i])?;
         Some((self.rows[i].clone(), t.end_lsn))
     }
@@ -282,8 +302,10 @@ impl Tailing {
                 // nothing new: let the acks in flight arrive
                 pipe.drain().await;
             }
-            self.confirm(conn, reader, &mut window, &mut pipe, &mut state)
-                .await?;
+            if !pipe.stopped() {
+                self.confirm(conn, reader, &mut window, &mut pipe, &mut state)
+                    .await?;
+            }
             if !pipe.stopped() {
                 if !fresh {
                     backoff.reset();
@@ -292,12 +314,13 @@ impl Tailing {
             }
             // a failure: what is in flight still counts, the rest comes again
             pipe.drain().await;
-            self.confirm(conn, reader, &mut window, &mut pipe, &mut state)
+            let acked = self
+                .confirm(conn, reader, &mut window, &mut pipe, &mut state)
                 .await?;
             let end = pipe.take_end();
             reader.rewind();
             let failed = match &end {
-                BatchEnd::RowFailed { seq, .. } => window.unacked_row(*seq),
+                BatchEnd::RowFailed { seq, .. } => window.unacked_row(*seq, &acked),
                 _ => None,
             };
             window = Window::default();
@@ -375,6 +398,8 @@ impl Tailing {
     }
 
     /// Confirms the slot past the transactions of the window acked whole, and drops them.
+    /// Returns every acked `seq` still in the window when the pipeline has stopped (for the
+    /// failure's row), else nothing.
     async fn confirm(
         &self,
         conn: &mut AsyncPgConnection,
@@ -382,7 +407,7 @@ impl Tailing {
         window: &mut Window,
         pipe: &mut Pipeline<'_>,
         state: &mut State,
-    ) -> Result<(), WalError> {
+    ) -> Result<Vec<i64>, WalError> {
         let acked = pipe.take_acked();
         if !state.attempts.is_empty() {
             for seq in &acked {
@@ -391,10 +416,16 @@ impl Tailing {
                 }
             }
         }
-        window.acked.extend(acked);
-        window.batch.caught_up_to = window.caught_up_to;
-        let (confirm_to, max_seq, first_open) =
-            confirmable(&window.batch, &window.rows, &window.txn_of, &window.acked);
+        let (confirm_to, max_seq, first_open, all_acked) = if pipe.stopped() {
+            let all = window.acked_seqs(&acked);
+            window.batch.caught_up_to = window.caught_up_to;
+            let (to, max_seq, first_open) =
+                confirmable(&window.batch, &window.rows, &window.txn_of, &all);
+            (to, max_seq, first_open, all)
+        } else {
+            let (to, max_seq, first_open) = window.ack_in_order(acked.len());
+            (to, max_seq, first_open, Vec::new())
+        };
         state.oldest_unconfirmed =
             first_open.and_then(|i| window.batch.transactions.get(i).map(|t| t.commit_time));
         if let Some(to) = confirm_to
@@ -411,8 +442,10 @@ impl Tailing {
             state.parked.retain(|(_, lsn)| *lsn > confirmed);
             debug!(lsn = %state.confirmed, "slot confirmed");
         }
-        window.drop_confirmed(first_open.unwrap_or(window.batch.transactions.len()));
-        Ok(())
+        if !pipe.stopped() {
+            window.drop_confirmed(first_open.unwrap_or(window.batch.transactions.len()));
+        }
+        Ok(all_acked)
     }
 
     /// Refreshes the slot's lag figures and warns when it lags.
@@ -608,39 +641,59 @@ mod tests {
             batch: b,
             rows,
             txn_of,
-            acked: Vec::new(),
+            acked: 0,
+        }
+    }
+
+    #[test]
+    fn the_window_confirms_acks_in_order_as_confirmable_does() {
+        // acks in send order, one at a time: the same answers as the general function
+        for n in 0..=4 {
+            let mut w = window(batch());
+            let seqs = w.acked_seqs(&[]);
+            assert!(seqs.is_empty());
+            let in_order: Vec<i64> = w.rows[..n].iter().map(|r| r.seq).collect();
+            let mut b = w.batch.clone();
+            b.caught_up_to = w.caught_up_to;
+            let expected = confirmable(&b, &w.rows, &w.txn_of, &in_order);
+            assert_eq!(w.ack_in_order(n), expected, "{n} acks");
         }
     }
 
     #[test]
     fn the_window_drops_what_is_confirmed_and_keeps_the_rest_in_order() {
         let mut w = window(batch());
-        // acks arrive across reads: the first transaction, then part of the second read
-        w.acked.extend([5, 6, 3]);
-        w.batch.caught_up_to = w.caught_up_to;
-        let (to, _, first_open) = confirmable(&w.batch, &w.rows, &w.txn_of, &w.acked);
-        assert_eq!((to, first_open), (Some(Lsn(200)), Some(2)));
+        // the first transaction, then part of the second read
+        assert_eq!(w.ack_in_order(3), (Some(Lsn(200)), 6, Some(2)));
         w.drop_confirmed(2);
         assert_eq!(w.rows.iter().map(|r| r.seq).collect::<Vec<_>>(), [7]);
-        assert_eq!(w.txn_of, [0]);
-        assert!(
-            w.acked.is_empty(),
-            "the acks of the dropped rows go with them"
-        );
+        assert_eq!((w.txn_of.as_slice(), w.acked), (&[0][..], 0));
         assert_eq!(w.batch.transactions[0].end_lsn, Lsn(300));
         // the failed row is found with its transaction's end, an acked one is not
         assert_eq!(
-            w.unacked_row(7).map(|(r, lsn)| (r.seq, lsn)),
+            w.unacked_row(7, &[]).map(|(r, lsn)| (r.seq, lsn)),
             Some((7, Lsn(300)))
         );
-        w.acked.push(7);
-        assert!(w.unacked_row(7).is_none());
-        w.batch.caught_up_to = w.caught_up_to;
-        assert_eq!(
-            confirmable(&w.batch, &w.rows, &w.txn_of, &w.acked).0,
-            Some(Lsn(400))
-        );
+        assert!(w.unacked_row(7, &[7]).is_none());
+        assert_eq!(w.acked_seqs(&[7]), [7]);
+        assert_eq!(w.ack_in_order(1), (Some(Lsn(400)), 7, None));
         w.drop_confirmed(1);
-        assert!(w.rows.is_empty() && w.acked.is_empty() && w.batch.transactions.is_empty());
+        assert!(w.rows.is_empty() && w.batch.transactions.is_empty() && w.acked == 0);
+    }
+
+    #[test]
+    fn a_transaction_whose_events_are_all_parked_is_confirmed_with_its_neighbours() {
+        let b = batch();
+        let parked: HashSet<_> = [(b.transactions[1].rows[0].id, Lsn(200))].into();
+        let (rows, txn_of) = pending_rows(&b, &parked);
+        let mut w = Window {
+            caught_up_to: b.caught_up_to,
+            batch: b,
+            rows,
+            txn_of,
+            acked: 0,
+        };
+        // 5 and 6 acked: the parked-only transaction at 200 goes with the first
+        assert_eq!(w.ack_in_order(2), (Some(Lsn(200)), 6, Some(2)));
     }
 }
