@@ -321,8 +321,10 @@ fn main() -> ExitCode {
 }
 
 fn init_tracing(format: LogFormat) {
+    // the replication client reports a lost connection itself, at ERROR, where the relay
+    // logs the same event once with what it does about it: quiet by default
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,pgwire_replication=off"));
     // colours only on a terminal: piped logs stay plain text
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let builder = tracing_subscriber::fmt()
