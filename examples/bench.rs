@@ -230,14 +230,22 @@ impl Bench {
         Ok(())
     }
 
-    /// Fills the outbox with `n` unpublished rows of ~300 bytes, as SQL.
+    /// Fills the outbox with `n` rows of ~300 bytes, as SQL, unpublished or published an hour
+    /// ago, in large transactions.
     fn fill(&self, n: usize, published: bool) -> Result<()> {
+        self.fill_rows(n, 200_000, published)
+    }
+
+    /// Fills the outbox with `n` rows in transactions of `per_tx` rows each: as a service's
+    /// commits would for log tailing, which reads a transaction whole.
+    fn fill_rows(&self, n: usize, per_tx: usize, published: bool) -> Result<()> {
         use diesel::RunQueryDsl;
         let mut conn = PgConnection::establish(&self.db_url)?;
-        let chunk = 200_000;
+        // the fill is not measured: no WAL flush per transaction
+        diesel::sql_query("SET synchronous_commit = off").execute(&mut conn)?;
         let mut done = 0;
         while done < n {
-            let m = chunk.min(n - done);
+            let m = per_tx.min(n - done);
             diesel::sql_query(format!(
                 "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, published_at) \
                  SELECT gen_random_uuid(), 'order', 'order-' || (i % 1000), 'order.placed', \
@@ -325,30 +333,6 @@ impl Bench {
                 }
             }
         }
-    }
-
-    /// Fills the outbox with `n` unpublished rows in transactions of `per_tx` rows each, as a
-    /// service's commits would (log tailing reads a transaction whole).
-    fn fill_in_transactions(&self, n: usize, per_tx: usize) -> Result<()> {
-        use diesel::RunQueryDsl;
-        let mut conn = PgConnection::establish(&self.db_url)?;
-        diesel::sql_query("SET synchronous_commit = off").execute(&mut conn)?;
-        let mut done = 0;
-        while done < n {
-            let m = per_tx.min(n - done);
-            diesel::sql_query(format!(
-                "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
-                 SELECT gen_random_uuid(), 'order', 'order-' || (i % 1000), 'order.placed', \
-                 jsonb_build_object('order_id', 'order-' || (i % 1000), 'customer', 'customer-' || i, 'note', repeat('x', 230)) \
-                 FROM generate_series({}, {}) i",
-                done,
-                done + m - 1
-            ))
-            .execute(&mut conn)?;
-            done += m;
-        }
-        diesel::sql_query("ANALYZE outbox").execute(&mut conn)?;
-        Ok(())
     }
 
     /// Section 1.
@@ -549,7 +533,7 @@ impl Bench {
         if tailing {
             // the slot sees only what commits after its creation: make it before the backlog
             self.create_slot(&slot)?;
-            self.fill_in_transactions(n, 100)?;
+            self.fill_rows(n, 100, false)?;
         } else {
             self.fill(n, false)?;
         }

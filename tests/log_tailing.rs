@@ -596,20 +596,11 @@ async fn status_reports_the_slot_lag_and_its_reader() {
 async fn a_role_without_replication_gets_a_clear_error() {
     let (db, stream) = (TestDb::new(), TestStream::new());
     let slot = Slot::new(&db);
-    let role = format!("lt_role_{}", &slot.name[3..15]);
+    let (role, url) = role_without_replication(&db, &slot);
     let mut conn = db.conn();
-    diesel::sql_query(format!("CREATE ROLE {role} LOGIN"))
-        .execute(&mut conn)
-        .expect("role");
-    diesel::sql_query(format!(
-        "GRANT SELECT, INSERT, UPDATE, DELETE ON outbox TO {role}"
-    ))
-    .execute(&mut conn)
-    .expect("grant");
     diesel::sql_query("CREATE PUBLICATION lt_pub FOR TABLE outbox")
         .execute(&mut conn)
         .expect("publication");
-    let url = db.url.replacen("postgres@", &format!("{role}@"), 1);
     let out = relay_command(
         &db,
         &stream,
@@ -629,10 +620,7 @@ async fn a_role_without_replication_gets_a_clear_error() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("REPLICATION"), "{err}");
     drop(conn);
-    let _ = diesel::sql_query(format!("DROP OWNED BY {role}")).execute(&mut db.conn());
-    let mut admin =
-        PgConnection::establish(&format!("{}/postgres", support::pg_base())).expect("admin");
-    let _ = diesel::sql_query(format!("DROP ROLE IF EXISTS {role}")).execute(&mut admin);
+    drop_role(&db, &role);
 }
 
 /// The slot and the publication made beforehand by a superuser: the relay's role still needs
@@ -641,17 +629,7 @@ async fn a_role_without_replication_gets_a_clear_error() {
 async fn a_role_without_replication_cannot_stream_a_slot_made_for_it() {
     let (db, stream) = (TestDb::new(), TestStream::new());
     let slot = Slot::create(&db);
-    let role = format!("lt_role_{}", &slot.name[3..15]);
-    let mut conn = db.conn();
-    diesel::sql_query(format!("CREATE ROLE {role} LOGIN"))
-        .execute(&mut conn)
-        .expect("role");
-    diesel::sql_query(format!(
-        "GRANT SELECT, INSERT, UPDATE, DELETE ON outbox TO {role}"
-    ))
-    .execute(&mut conn)
-    .expect("grant");
-    let url = db.url.replacen("postgres@", &format!("{role}@"), 1);
+    let (role, url) = role_without_replication(&db, &slot);
     let out = relay_command(
         &db,
         &stream,
@@ -667,7 +645,27 @@ async fn a_role_without_replication_cannot_stream_a_slot_made_for_it() {
         "{err}"
     );
     assert_eq!(stream.count().await, 0);
-    drop(conn);
+    drop_role(&db, &role);
+}
+
+/// A login role named after the slot (roles are cluster-wide) with the table rights of a
+/// log-tailing relay but not `REPLICATION`, and the test database's URL as that role.
+fn role_without_replication(db: &TestDb, slot: &Slot) -> (String, String) {
+    let role = format!("lt_role_{}", &slot.name[3..15]);
+    let mut conn = db.conn();
+    diesel::sql_query(format!("CREATE ROLE {role} LOGIN"))
+        .execute(&mut conn)
+        .expect("role");
+    diesel::sql_query(format!(
+        "GRANT SELECT, INSERT, UPDATE, DELETE ON outbox TO {role}"
+    ))
+    .execute(&mut conn)
+    .expect("grant");
+    let url = db.url.replacen("postgres@", &format!("{role}@"), 1);
+    (role, url)
+}
+
+fn drop_role(db: &TestDb, role: &str) {
     let _ = diesel::sql_query(format!("DROP OWNED BY {role}")).execute(&mut db.conn());
     let mut admin = PgConnection::establish(db.admin_url()).expect("admin");
     let _ = diesel::sql_query(format!("DROP ROLE IF EXISTS {role}")).execute(&mut admin);
