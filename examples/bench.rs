@@ -20,7 +20,8 @@
 //! 3. write-path cost: business transactions per second alone, with a hand-written Diesel insert
 //!    of the outbox row, and with `record_event` (sync and async), 8 writers;
 //! 4. the poll query's time with published rows kept and with an unpublished backlog;
-//! 5. the relay's peak memory while draining a backlog (the `outbox-relay` binary).
+//! 5. the relay's peak memory while draining a backlog (the `outbox-relay` binary), ordered and
+//!    log tailing.
 //!
 //! Machines are noisy: compare the ratios, not the absolute figures, across runs.
 
@@ -970,15 +971,49 @@ impl Bench {
     async fn memory(&mut self) -> Result<()> {
         let n = self.args.memory_backlog;
         println!("\n## 5. relay memory: peak RSS of `outbox-relay` draining {n} rows\n");
+        println!("| relay | backlog | drained in | events/s | peak RSS |");
+        println!("|---|---|---|---|---|");
+        self.memory_run(n, false).await?;
+        if self.wal_level()? == "logical" {
+            self.memory_run(n, true).await?;
+        } else {
+            println!("| log-tailing | skipped: `wal_level` is not `logical` | | | |");
+        }
+        Ok(())
+    }
+
+    /// One drain of `n` rows by an `ordered` relay, or a log-tailing one (the backlog then
+    /// in transactions of 100 events), sampling its peak RSS.
+    async fn memory_run(&mut self, n: usize, tailing: bool) -> Result<()> {
         self.reset_outbox()?;
-        self.fill(n, false)?;
-        let (name, prefix) = ("BENCH_MEM", "benchmem");
+        let slot = format!("{}_slot", self.db_name);
+        let mut args = Vec::new();
+        if tailing {
+            self.create_slot(&slot)?;
+            self.fill_rows(n, 100, false)?;
+            args.extend(["--mode", "log-tailing", "--slot", &slot].map(String::from));
+        } else {
+            self.fill(n, false)?;
+        }
+        let (name, prefix) = if tailing {
+            ("BENCH_MEM_LT", "benchmemlt")
+        } else {
+            ("BENCH_MEM", "benchmem")
+        };
         self.stream(name, prefix).await?;
-        let child = self.spawn_relay(name, prefix, &[])?;
+        let child = self.spawn_relay(name, prefix, &args)?;
         let start = Instant::now();
         let mut conn = AsyncPgConnection::establish(&self.db_url).await?;
         let mut peak_kb = 0u64;
-        while self.unpublished_left(&mut conn).await? {
+        loop {
+            let left = if tailing {
+                self.js.get_stream(name).await?.info().await?.state.messages < n as u64
+            } else {
+                self.unpublished_left(&mut conn).await?
+            };
+            if !left {
+                break;
+            }
             peak_kb = peak_kb.max(vm_hwm_kb(child.id()).unwrap_or(0));
             tokio::time::sleep(Duration::from_millis(100)).await;
             if start.elapsed() > Duration::from_secs(900) {
@@ -986,13 +1021,15 @@ impl Bench {
             }
         }
         peak_kb = peak_kb.max(vm_hwm_kb(child.id()).unwrap_or(0));
-        let rate = n as f64 / start.elapsed().as_secs_f64();
+        let elapsed = start.elapsed().as_secs_f64();
         drop(child);
-        println!("| backlog | drained in | events/s | peak RSS |");
-        println!("|---|---|---|---|");
+        if tailing {
+            self.drop_slot(&slot)?;
+        }
         println!(
-            "| {n} | {:.1} s | {rate:.0} | {:.1} MiB |",
-            start.elapsed().as_secs_f64(),
+            "| {} | {n} | {elapsed:.1} s | {:.0} | {:.1} MiB |",
+            if tailing { "log-tailing" } else { "ordered" },
+            n as f64 / elapsed,
             peak_kb as f64 / 1024.0
         );
         Ok(())
