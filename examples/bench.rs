@@ -280,6 +280,23 @@ impl Bench {
         Ok(e.e)
     }
 
+    /// Whether a drain of `n` events into `stream` is unfinished: unpublished rows are left,
+    /// or, for log tailing, which leaves the rows unmarked, the stream holds fewer than `n`.
+    async fn left(
+        &self,
+        conn: &mut AsyncPgConnection,
+        tailing: bool,
+        stream: &str,
+        n: usize,
+    ) -> Result<bool> {
+        if tailing {
+            let mut stream = self.js.get_stream(stream).await?;
+            Ok(stream.info().await?.state.messages < n as u64)
+        } else {
+            self.unpublished_left(conn).await
+        }
+    }
+
     fn wal_level(&self) -> Result<String> {
         use diesel::RunQueryDsl;
         #[derive(QueryableByName)]
@@ -568,20 +585,7 @@ impl Bench {
             .collect::<Result<Vec<_>>>()?;
         let mut conn = AsyncPgConnection::establish(&self.db_url).await?;
         loop {
-            // log tailing leaves the rows unmarked: count the stream instead
-            let left = if tailing {
-                self.js
-                    .get_stream(&name)
-                    .await?
-                    .info()
-                    .await?
-                    .state
-                    .messages
-                    < n as u64
-            } else {
-                self.unpublished_left(&mut conn).await?
-            };
-            if !left {
+            if !self.left(&mut conn, tailing, &name, n).await? {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -1006,12 +1010,7 @@ impl Bench {
         let mut conn = AsyncPgConnection::establish(&self.db_url).await?;
         let mut peak_kb = 0u64;
         loop {
-            let left = if tailing {
-                self.js.get_stream(name).await?.info().await?.state.messages < n as u64
-            } else {
-                self.unpublished_left(&mut conn).await?
-            };
-            if !left {
+            if !self.left(&mut conn, tailing, name, n).await? {
                 break;
             }
             peak_kb = peak_kb.max(vm_hwm_kb(child.id()).unwrap_or(0));

@@ -656,11 +656,8 @@ impl WalReader {
         conn: &mut AsyncPgConnection,
         limit: usize,
     ) -> Result<WalBatch, WalError> {
-        let limit = limit.max(1);
-        if let Some(cfg) = self.streaming.clone() {
-            return self.read_stream(conn, &cfg, limit).await;
-        }
-        self.read_sql(conn, limit).await
+        let wait = self.streaming.as_ref().map_or(Duration::ZERO, |c| c.wait);
+        self.read_within(conn, limit, wait).await
     }
 
     /// [`WalReader::read`], waiting up to `wait` instead of the configured time for the first
@@ -1004,23 +1001,15 @@ impl WalReader {
                     let message = pgoutput::decode(&data)?;
                     self.capture(message, st.open.as_mut().map(|o| &mut o.2))?;
                 }
-                Event::Commit {
-                    end_lsn,
-                    commit_time_micros,
-                    ..
-                } => {
+                Event::Commit { end_lsn, .. } => {
                     messages += 1;
                     let end = Lsn(end_lsn.0);
                     st.received_to = st.received_to.max(Some(end));
+                    // Begin carried the commit time already
                     if let Some((xid, at, rows)) = st.open.take()
                         && !rows.is_empty()
                         && end > self.acked
                     {
-                        let at = if commit_time_micros != 0 {
-                            pgoutput::commit_time(commit_time_micros)
-                        } else {
-                            at
-                        };
                         transactions.push((xid, end, at, rows));
                     }
                 }
