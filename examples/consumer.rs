@@ -19,7 +19,8 @@
 //!
 //! Settings (flag or environment variable): `--database-url` / `CONSUMER_DATABASE_URL` (its
 //! own database, default `postgres://postgres@127.0.0.1:5432/outbox_shop_consumer`, created
-//! when missing), `--nats-url` / `NATS_URL` (default `nats://127.0.0.1:4222`), `--stream` /
+//! when missing), `--nats-url` / `NATS_URL` (default `nats://127.0.0.1:4222`; a
+//! comma-separated seed list for a cluster), `--stream` /
 //! `OUTBOX_STREAM` (default `OUTBOX`), `--name` / `CONSUMER_NAME` (the durable consumer,
 //! default `shop-consumer`), `--filter` / `CONSUMER_FILTER` (default `outbox.>`). Two runs with
 //! the same `--name` share the work; different names each see every event. Stop with Ctrl-C.
@@ -32,7 +33,7 @@ use diesel::{Connection, PgConnection};
 use diesel_async::AsyncPgConnection;
 use outbox_diesel::OutboxEvent;
 use outbox_nats::consumer::{Consumer, ConsumerConfig, Delivery};
-use outbox_nats::redact_url;
+use outbox_nats::{NatsOptions, redact_url};
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
@@ -48,7 +49,7 @@ struct Args {
         hide_env_values = true
     )]
     database_url: String,
-    /// NATS server URL.
+    /// NATS server URL, or a comma-separated seed list of a cluster's servers.
     #[arg(
         long,
         env = "NATS_URL",
@@ -113,7 +114,9 @@ async fn main() -> ExitCode {
 
 async fn run(args: Args) -> anyhow::Result<()> {
     prepare_database(&args.database_url)?;
-    let nats = async_nats::connect(&args.nats_url).await.with_context(|| {
+    let mut nats = NatsOptions::new(args.nats_url.clone());
+    nats.name = Some(args.name.clone());
+    let nats = nats.connect().await.with_context(|| {
         format!(
             "cannot reach NATS at {}; start nats-server -js or set NATS_URL",
             redact_url(&args.nats_url)

@@ -136,6 +136,18 @@ pub enum ConnectError {
         #[source]
         source: std::io::Error,
     },
+    /// `--nats-url` is not a server URL or a comma-separated list of them.
+    #[error(
+        "NATS server URL {seed:?} in {url:?} is invalid: {reason}; --nats-url (NATS_URL) takes one URL or a comma-separated seed list such as nats://n1:4222,nats://n2:4222"
+    )]
+    InvalidUrl {
+        /// The whole setting, without secrets.
+        url: String,
+        /// The seed that is not a URL (empty when there was none).
+        seed: String,
+        /// Why.
+        reason: String,
+    },
     /// The server refused or could not be reached.
     #[error(
         "cannot connect to NATS at {url}: {source}; is nats-server running (with -js), and are --nats-url (NATS_URL) and the credentials right?"
@@ -207,7 +219,14 @@ impl NatsOptions {
             opts = opts.add_client_certificate(cert.clone(), key.clone());
         }
         // the client logs its server URLs (at debug level): give it none with a password
-        opts.connect(without_credentials(&self.url).as_str())
+        let servers = server_addrs(&without_credentials(&self.url)).map_err(|(seed, reason)| {
+            ConnectError::InvalidUrl {
+                url: redact_url(&self.url),
+                seed,
+                reason,
+            }
+        })?;
+        opts.connect(servers)
             .await
             .map_err(|source| ConnectError::Connect {
                 url: redact_url(&self.url),
@@ -216,9 +235,52 @@ impl NatsOptions {
     }
 }
 
+/// The servers of a comma-separated seed list (`nats://a:4222,nats://b:4222`, as every NATS
+/// tool takes it; blanks around the commas are allowed), or the seed that is not a server URL
+/// and why.
+fn server_addrs(urls: &str) -> Result<Vec<async_nats::ServerAddr>, (String, String)> {
+    let seeds: Vec<&str> = urls
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .collect();
+    if seeds.is_empty() {
+        return Err((String::new(), "no server URL given".into()));
+    }
+    seeds
+        .into_iter()
+        .map(|seed| {
+            seed.parse::<async_nats::ServerAddr>()
+                .map_err(|e| (seed.to_owned(), e.to_string()))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{url_credentials, without_credentials};
+    use super::{server_addrs, url_credentials, without_credentials};
+
+    #[test]
+    fn reads_a_comma_separated_seed_list() {
+        let servers =
+            server_addrs("nats://a:4222, nats://b:4223 ,tls://c:4224,").expect("three seeds");
+        let hosts: Vec<(String, u16)> = servers
+            .iter()
+            .map(|s| (s.host().to_owned(), s.port()))
+            .collect();
+        assert_eq!(
+            hosts,
+            [("a".into(), 4222), ("b".into(), 4223), ("c".into(), 4224)]
+        );
+        assert_eq!(server_addrs("127.0.0.1:4222").map(|s| s.len()), Ok(1));
+    }
+
+    #[test]
+    fn names_the_seed_that_is_not_a_url() {
+        let (seed, _) = server_addrs("nats://a:4222,nats://b:notaport").expect_err("bad port");
+        assert_eq!(seed, "nats://b:notaport");
+        assert!(server_addrs(" , ").is_err());
+    }
 
     #[test]
     fn strips_credentials_from_the_urls() {

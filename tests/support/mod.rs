@@ -26,6 +26,15 @@ pub fn nats_url() -> String {
     std::env::var("OUTBOX_TEST_NATS").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
 }
 
+/// A client of the server, or of the first reachable server of a comma-separated seed list.
+pub async fn nats_connect(url: &str) -> Result<async_nats::Client, async_nats::ConnectError> {
+    let seeds: Vec<async_nats::ServerAddr> = url
+        .split(',')
+        .filter_map(|u| u.trim().parse().ok())
+        .collect();
+    async_nats::connect(seeds).await
+}
+
 fn unique(prefix: &str) -> String {
     format!("{prefix}{}", uuid::Uuid::now_v7().simple())
 }
@@ -126,9 +135,7 @@ impl TestStream {
     }
 
     pub async fn js(&self) -> jetstream::Context {
-        let client = async_nats::connect(&self.nats_url)
-            .await
-            .expect("connect to NATS");
+        let client = nats_connect(&self.nats_url).await.expect("connect to NATS");
         jetstream::new(client)
     }
 
@@ -158,7 +165,7 @@ impl Drop for TestStream {
             if let Ok(rt) = rt {
                 rt.block_on(async {
                     let delete = async {
-                        if let Ok(c) = async_nats::connect(&url).await {
+                        if let Ok(c) = nats_connect(&url).await {
                             let _ = jetstream::new(c).delete_stream(&name).await;
                         }
                     };

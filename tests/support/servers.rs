@@ -188,3 +188,188 @@ impl Drop for PgCluster {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// A three-node JetStream cluster on 127.0.0.1 (client and route ports free, a store per
+/// node); every node killed on `Drop`, the stores removed.
+pub struct NatsCluster {
+    pub name: String,
+    pub nodes: Vec<ClusterNode>,
+    dir: PathBuf,
+}
+
+/// One node of a [`NatsCluster`].
+pub struct ClusterNode {
+    pub name: String,
+    pub port: u16,
+    pub route_port: u16,
+    proc: Option<Proc>,
+}
+
+impl NatsCluster {
+    /// Starts three nodes and waits until JetStream has a meta leader.
+    pub fn start() -> Self {
+        let id = uuid::Uuid::now_v7().simple().to_string();
+        let dir = std::env::temp_dir().join(format!("outbox-natsc-{id}"));
+        std::fs::create_dir_all(&dir).expect("nats cluster temp dir");
+        let nodes = (0..3)
+            .map(|i| ClusterNode {
+                name: format!("n{i}"),
+                port: free_port(),
+                route_port: free_port(),
+                proc: None,
+            })
+            .collect();
+        let mut c = NatsCluster {
+            name: format!("c{}", &id[id.len() - 8..]),
+            nodes,
+            dir,
+        };
+        for i in 0..3 {
+            c.spawn(i);
+        }
+        c.wait_ready();
+        c
+    }
+
+    /// The seed list of every node: `nats://127.0.0.1:p0,nats://127.0.0.1:p1,...`.
+    pub fn urls(&self) -> String {
+        (0..self.nodes.len())
+            .map(|i| self.url(i))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Node `i`'s client URL.
+    pub fn url(&self, i: usize) -> String {
+        format!("nats://127.0.0.1:{}", self.nodes[i].port)
+    }
+
+    /// The node named `name` (`n0`, `n1`, `n2`), as JetStream reports a leader.
+    pub fn index_of(&self, name: &str) -> Option<usize> {
+        self.nodes.iter().position(|n| n.name == name)
+    }
+
+    fn spawn(&mut self, i: usize) {
+        let routes = self
+            .nodes
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| *j != i)
+            .map(|(_, n)| format!("nats://127.0.0.1:{}", n.route_port))
+            .collect::<Vec<_>>()
+            .join(",");
+        let node = &self.nodes[i];
+        let store = self.dir.join(&node.name);
+        let proc = Proc::spawn(
+            "nats-server",
+            Command::new(nats_server_bin())
+                .args(["-a", "127.0.0.1", "-p", &node.port.to_string()])
+                .args(["-n", &node.name, "--cluster_name", &self.name])
+                .args([
+                    "--cluster",
+                    &format!("nats://127.0.0.1:{}", node.route_port),
+                    "--routes",
+                    &routes,
+                    "-js",
+                    "-sd",
+                ])
+                .arg(&store)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null()),
+        );
+        self.nodes[i].proc = Some(proc);
+        let start = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", self.nodes[i].port)).is_err() {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "nats-server {} did not start",
+                self.nodes[i].name
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Kills node `i` (SIGKILL).
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut p) = self.nodes[i].proc.take() {
+            p.kill();
+        }
+    }
+
+    /// Starts node `i` again (same ports and store); does not wait for JetStream.
+    pub fn restart(&mut self, i: usize) {
+        self.kill(i);
+        self.spawn(i);
+    }
+
+    /// Kills every node, then starts them all again and waits for a meta leader.
+    pub fn restart_all(&mut self) {
+        for i in 0..self.nodes.len() {
+            self.kill(i);
+        }
+        for i in 0..self.nodes.len() {
+            self.spawn(i);
+        }
+        self.wait_ready();
+    }
+
+    /// Waits (up to 30 s) until JetStream answers through the running nodes.
+    pub fn wait_ready(&self) {
+        let urls: Vec<String> = (0..self.nodes.len())
+            .filter(|i| self.nodes[*i].proc.is_some())
+            .map(|i| self.url(i))
+            .collect();
+        let ready = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                let start = Instant::now();
+                while start.elapsed() < Duration::from_secs(30) {
+                    if let Ok(c) = super::nats_connect(&urls.join(",")).await {
+                        let js = async_nats::jetstream::new(c);
+                        if let Ok(Ok(_)) =
+                            tokio::time::timeout(Duration::from_secs(2), js.query_account()).await
+                        {
+                            return true;
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                false
+            })
+        })
+        .join()
+        .expect("cluster readiness thread");
+        assert!(
+            ready,
+            "the NATS cluster has no JetStream meta leader after 30 s"
+        );
+    }
+
+    /// The name of `stream`'s current leader node, if it has one.
+    pub async fn stream_leader(&self, stream: &str) -> Option<String> {
+        let urls: Vec<String> = (0..self.nodes.len())
+            .filter(|i| self.nodes[*i].proc.is_some())
+            .map(|i| self.url(i))
+            .collect();
+        let client = super::nats_connect(&urls.join(",")).await.ok()?;
+        let js = async_nats::jetstream::new(client);
+        let mut s = js.get_stream(stream).await.ok()?;
+        let info = tokio::time::timeout(Duration::from_secs(2), s.info())
+            .await
+            .ok()?
+            .ok()?;
+        info.cluster.as_ref().and_then(|c| c.leader.clone())
+    }
+}
+
+impl Drop for NatsCluster {
+    fn drop(&mut self) {
+        for i in 0..self.nodes.len() {
+            self.kill(i);
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

@@ -443,6 +443,8 @@ async fn connect_nats(
     loop {
         match options.connect().await {
             Ok(c) => return Ok(c),
+            // retrying cannot fix the setting
+            Err(e @ outbox_nats::ConnectError::InvalidUrl { .. }) => return Err(e),
             Err(e) if tokio::time::Instant::now() + delay < deadline => {
                 tracing::warn!("{e}; retrying");
                 tokio::time::sleep(delay).await;
