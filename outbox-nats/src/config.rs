@@ -325,6 +325,26 @@ impl RelayConfig {
         self
     }
 
+    /// The JetStream ack permits the relay's context gets: every publish holds one until its
+    /// ack is awaited, and all pipelines of a process share them. Twice the publishes that
+    /// can be in flight at once (`max_in_flight`, per worker in unordered mode), so that no
+    /// pipeline ever waits for a permit that only another pipeline's progress would release.
+    pub fn ack_permits(&self) -> usize {
+        let per_pipeline = match self.mode {
+            Mode::Unordered => self.max_in_flight.min(self.batch_size),
+            Mode::Ordered | Mode::LogTailing => self.max_in_flight,
+        };
+        let pipelines = match self.mode {
+            Mode::Unordered => self.workers as usize,
+            Mode::Ordered | Mode::LogTailing => 1,
+        };
+        // a semaphore holds at most `usize::MAX >> 3` permits
+        per_pipeline
+            .saturating_mul(pipelines)
+            .saturating_mul(2)
+            .min(usize::MAX >> 4)
+    }
+
     /// Checks the values that have rules; the relay calls it before it starts.
     pub fn validate(&self) -> Result<(), String> {
         if self.mode == Mode::LogTailing {

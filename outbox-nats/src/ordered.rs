@@ -82,6 +82,10 @@ impl Ordered {
 
     fn set_owned(&self, owned: &BTreeSet<u32>) {
         let n = owned.len();
+        if n == 0 {
+            // standing by is no lack of progress
+            self.health.progressed();
+        }
         self.health.owned.store(n, Ordering::Relaxed);
         self.health
             .standby
@@ -110,7 +114,7 @@ impl Ordered {
         let mut warned_conflict = false;
         let mut held_back: Vec<String> = Vec::new();
         let mut holding = Holding {
-            pipe: Pipeline::new(&self.js, cfg, &lease, &self.shutdown),
+            pipe: Pipeline::new(&self.js, cfg, &lease, &self.health, &self.shutdown),
             held: BTreeSet::new(),
             queue: Vec::new(),
         };
@@ -185,6 +189,7 @@ impl Ordered {
             *queue = fetched;
             if queue.is_empty() {
                 if pipe.is_empty() && held.is_empty() {
+                    self.health.progressed();
                     idle(conn, cfg, &self.shutdown, next_balance).await;
                 } else {
                     // caught up: let the last acks arrive, mark them on the next step

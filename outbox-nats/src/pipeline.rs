@@ -3,6 +3,7 @@
 
 use std::collections::{HashSet, VecDeque};
 use std::future::IntoFuture;
+use std::sync::atomic::Ordering;
 
 use async_nats::jetstream::context::{PublishError, PublishErrorKind};
 use async_nats::jetstream::{self, publish::PublishAck};
@@ -10,12 +11,13 @@ use futures_util::StreamExt;
 use futures_util::stream::FuturesOrdered;
 use outbox_diesel::relay::OutboxRow;
 use tokio_util::sync::CancellationToken;
-use tracing::warn;
+use tracing::{error, warn};
 
 use crate::RelayConfig;
 use crate::lease::Lease;
 use crate::metrics as m;
 use crate::publish::to_message;
+use crate::relay::Health;
 
 /// How a batch ended.
 #[derive(Debug)]
@@ -42,10 +44,11 @@ pub(crate) async fn publish_batch(
     cfg: &RelayConfig,
     rows: &[OutboxRow],
     lease: &Lease,
+    health: &Health,
     shutdown: &CancellationToken,
 ) -> (Vec<i64>, BatchEnd) {
     metrics::histogram!(m::BATCH_ROWS).record(rows.len() as f64);
-    let mut pipe = Pipeline::new(js, cfg, lease, shutdown);
+    let mut pipe = Pipeline::new(js, cfg, lease, health, shutdown);
     pipe.send_all(rows).await;
     pipe.drain().await;
     (pipe.take_acked(), pipe.take_end())
@@ -73,6 +76,7 @@ pub(crate) struct Pipeline<'a> {
     js: &'a jetstream::Context,
     cfg: &'a RelayConfig,
     lease: &'a Lease,
+    health: &'a Health,
     shutdown: &'a CancellationToken,
     acks: FuturesOrdered<AckFuture>,
     sent: VecDeque<Sent>,
@@ -86,12 +90,14 @@ impl<'a> Pipeline<'a> {
         js: &'a jetstream::Context,
         cfg: &'a RelayConfig,
         lease: &'a Lease,
+        health: &'a Health,
         shutdown: &'a CancellationToken,
     ) -> Self {
         Pipeline {
             js,
             cfg,
             lease,
+            health,
             shutdown,
             acks: FuturesOrdered::new(),
             sent: VecDeque::new(),
@@ -159,7 +165,7 @@ impl<'a> Pipeline<'a> {
                 true
             }
             Err(e) => {
-                self.end = Some(classify(row.seq, row.attempts, &e));
+                self.end = Some(classify(row.seq, row.attempts, &e, self.health));
                 false
             }
         }
@@ -215,6 +221,8 @@ impl<'a> Pipeline<'a> {
         self.keys.remove(&sent.key);
         match result {
             Ok(ack) => {
+                self.health.progressed();
+                self.health.stream_refused.store(false, Ordering::Relaxed);
                 self.acked.push(sent.seq);
                 metrics::counter!(m::EVENTS_PUBLISHED).increment(1);
                 if ack.duplicate {
@@ -226,7 +234,7 @@ impl<'a> Pipeline<'a> {
                 metrics::histogram!(m::COMMIT_TO_ACK).record(latency.as_secs_f64());
             }
             Err(e) => {
-                let failure = classify(sent.seq, sent.attempts, &e);
+                let failure = classify(sent.seq, sent.attempts, &e, self.health);
                 // the first failure is the one to report; a row failure outranks a lease stop
                 if matches!(self.end, None | Some(BatchEnd::LeaseUnconfirmed)) {
                     self.end = Some(failure);
@@ -236,30 +244,87 @@ impl<'a> Pipeline<'a> {
     }
 }
 
-/// Sorts a publish error into "about this row" (counted, parked after enough attempts) and
-/// "about NATS" (retried after a backoff, never counted against the row).
-fn classify(seq: i64, attempts: i32, e: &PublishError) -> BatchEnd {
-    let api_error = std::error::Error::source(e)
-        .and_then(|s| s.downcast_ref::<jetstream::Error>())
-        .is_some();
-    let (kind, permanent) = match e.kind() {
-        PublishErrorKind::MaxPayloadExceeded => ("max_payload", true),
-        PublishErrorKind::Other if api_error => ("rejected", true),
-        PublishErrorKind::TimedOut => ("timeout", false),
-        PublishErrorKind::StreamNotFound => ("no_stream", false),
-        PublishErrorKind::BrokenPipe => ("broken_pipe", false),
+/// Sorts a publish error into "about this row" (counted, parked after enough attempts), "about
+/// the stream" (JetStream refuses every message: retried after a backoff, never counted
+/// against a row, the relay not ready meanwhile) and "about NATS" (retried after a backoff).
+fn classify(seq: i64, attempts: i32, e: &PublishError, health: &Health) -> BatchEnd {
+    let api_error = std::error::Error::source(e).and_then(|s| s.downcast_ref::<jetstream::Error>());
+    let (kind, permanent) = match (e.kind(), api_error) {
+        (PublishErrorKind::MaxPayloadExceeded, _) => ("max_payload", true),
+        (PublishErrorKind::WrongLastMessageId | PublishErrorKind::WrongLastSequence, _) => {
+            ("rejected", true)
+        }
+        (PublishErrorKind::Other, Some(api)) if is_row_fault(api.error_code()) => {
+            ("rejected", true)
+        }
+        (PublishErrorKind::Other, Some(_)) => ("stream_rejected", false),
+        (PublishErrorKind::TimedOut, _) => ("timeout", false),
+        (PublishErrorKind::StreamNotFound, _) => ("no_stream", false),
+        (PublishErrorKind::BrokenPipe, _) => ("broken_pipe", false),
         _ => ("other", false),
     };
     metrics::counter!(m::PUBLISH_ERRORS, "kind" => kind).increment(1);
     if permanent {
-        BatchEnd::RowFailed {
+        return BatchEnd::RowFailed {
             seq,
             attempts,
             error: e.to_string(),
             park_now: matches!(e.kind(), PublishErrorKind::MaxPayloadExceeded),
-        }
+        };
+    }
+    if kind == "stream_rejected" {
+        health.stream_refused.store(true, Ordering::Relaxed);
+        error!(outbox.seq = seq, error = %e, "JetStream refuses to store messages in the stream (a limit reached with discard new, storage or account limits, a sealed stream); nothing is parked, the relay retries with backoff until the stream accepts messages again");
     } else {
         warn!(outbox.seq = seq, error = %e, kind, "publish failed; the batch stops here and is retried");
-        BatchEnd::Transient
+    }
+    BatchEnd::Transient
+}
+
+/// Whether a JetStream error code of a publish is about the message itself (its size or the
+/// headers it carries), so that other messages may still be stored; every other code is about
+/// the stream (its limits with `discard: new`, storage, account limits, a sealed, offline or
+/// missing stream), which refuses every message alike. The codes are nats-server's
+/// (`server/errors.json`).
+pub(crate) fn is_row_fault(code: jetstream::ErrorCode) -> bool {
+    matches!(
+        code.0,
+        // message size exceeds the stream's maximum; header size exceeds 64k
+        10054 | 10097
+        // the row's own headers: expected stream, last sequence or message id
+        | 10060 | 10063 | 10070 | 10071 | 10164 | 10193
+        // the row's own headers: per-message TTL, counters, schedules
+        | 10165 | 10166 | 10168..=10172 | 10188..=10192 | 10203 | 10212 | 10223
+        // the row's own headers: atomic and batch publishing
+        | 10174..=10177 | 10179 | 10199..=10201 | 10205..=10208
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stream_limits_are_not_row_faults_and_message_faults_are() {
+        use jetstream::ErrorCode;
+        for stream_wide in [
+            ErrorCode::STREAM_STORE_FAILED, // maximum messages / bytes exceeded
+            ErrorCode::STORAGE_RESOURCES_EXCEEDED, // account storage
+            ErrorCode::INSUFFICIENT_RESOURCES,
+            ErrorCode::STREAM_SEALED,
+            ErrorCode(10028), // account memory
+            ErrorCode(10002), // account resources
+            ErrorCode(10059), // stream not found
+            ErrorCode(10118), // stream offline
+        ] {
+            assert!(!is_row_fault(stream_wide), "{stream_wide:?}");
+        }
+        for row in [
+            ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM,
+            ErrorCode::STREAM_HEADER_EXCEEDS_MAXIMUM,
+            ErrorCode(10166), // a Nats-TTL header on a stream without per-message TTL
+        ] {
+            assert!(is_row_fault(row), "{row:?}");
+        }
     }
 }

@@ -2,7 +2,7 @@
 //! stop.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_nats::jetstream;
@@ -72,6 +72,22 @@ pub struct Health {
     pub(crate) owned: AtomicUsize,
     pub(crate) standby: AtomicUsize,
     pub(crate) nats: std::sync::OnceLock<async_nats::Client>,
+    /// When the relay last showed progress ([`Health::progressed`]), in milliseconds since
+    /// [`clock`].
+    progress_ms: AtomicU64,
+    /// How long the relay may own work without progress before it is not ready (0: forever).
+    stuck_after_ms: AtomicU64,
+    /// JetStream refused the last message for a reason of the stream's, and no ack came since.
+    pub(crate) stream_refused: AtomicBool,
+}
+
+/// Milliseconds since the first call: the clock of [`Health`]'s progress.
+fn clock() -> u64 {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    START
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_millis() as u64
 }
 
 impl Health {
@@ -91,9 +107,32 @@ impl Health {
             Some("NATS is not connected")
         } else if self.owned.load(Ordering::Relaxed) + self.standby.load(Ordering::Relaxed) == 0 {
             Some("neither owning work nor standing by")
+        } else if self.stream_refused.load(Ordering::Relaxed) {
+            Some(
+                "JetStream refuses to store messages in the stream (a limit reached with discard new, storage or account limits, a sealed stream); see the relay's log",
+            )
+        } else if self.stuck() {
+            Some(
+                "stuck: it owns work, and no event was acked and no poll found it caught up within --stall-after",
+            )
         } else {
             None
         }
+    }
+
+    /// Owning work without progress for longer than `--stall-after`: a relay blocked on NATS
+    /// (or anything else) while rows wait must not look healthy.
+    fn stuck(&self) -> bool {
+        let after = self.stuck_after_ms.load(Ordering::Relaxed);
+        after > 0
+            && self.owned.load(Ordering::Relaxed) > 0
+            && clock().saturating_sub(self.progress_ms.load(Ordering::Relaxed)) > after
+    }
+
+    /// Records progress: an ack arrived, a poll found nothing left to publish, or the relay
+    /// stands by.
+    pub(crate) fn progressed(&self) {
+        self.progress_ms.store(clock(), Ordering::Relaxed);
     }
 
     /// Whether the NATS connection is up (`true` for a relay built without a client).
@@ -158,7 +197,12 @@ impl Relay {
         m::describe();
         let cfg = self.config.clone();
         cfg.validate().map_err(RelayError::Config)?;
-        let js = jetstream::new(self.nats.clone());
+        // every pipeline of the process shares the context's ack permits: enough for each
+        // to fill its window twice (a pipeline dropped with acks in flight keeps its permits
+        // until they arrive), so that no pipeline waits for permits only another can release
+        let js = jetstream::ContextBuilder::new()
+            .max_ack_inflight(cfg.ack_permits())
+            .build(self.nats.clone());
         let stream = self.startup(&js, &shutdown).await?;
         let Some(stream) = stream else { return Ok(()) };
         if cfg.mode == Mode::LogTailing {
@@ -174,6 +218,10 @@ impl Relay {
             workers = cfg.workers,
             "outbox relay started"
         );
+        self.health
+            .stuck_after_ms
+            .store(cfg.stall_after.as_millis() as u64, Ordering::Relaxed);
+        self.health.progressed();
         self.health.started.store(true, Ordering::Relaxed);
 
         let mut tasks = JoinSet::new();

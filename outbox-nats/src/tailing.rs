@@ -177,6 +177,8 @@ impl Tailing {
     }
 
     fn set_reader(&self, reader: bool) {
+        // standing by, or taking the slot, is no lack of progress
+        self.health.progressed();
         self.health
             .owned
             .store(usize::from(reader), Ordering::Relaxed);
@@ -257,7 +259,7 @@ impl Tailing {
         let mut next_stats = Instant::now();
         let mut next_cleanup = Instant::now() + cfg.captured_cleanup_interval;
         let mut window = Window::default();
-        let mut pipe = Pipeline::new(&self.js, cfg, lease, &self.shutdown);
+        let mut pipe = Pipeline::new(&self.js, cfg, lease, &self.health, &self.shutdown);
         while !self.shutdown.is_cancelled() {
             if Instant::now() >= next_stats {
                 self.stats(conn, reader.slot(), &state).await?;
@@ -298,6 +300,9 @@ impl Tailing {
                     .instrument(span)
                     .await?;
             } else {
+                if pipe.is_empty() {
+                    self.health.progressed();
+                }
                 window.caught_up_to = window.caught_up_to.max(batch.caught_up_to);
                 // nothing new: let the acks in flight arrive
                 pipe.drain().await;

@@ -68,7 +68,8 @@ impl Unordered {
             listen(conn, &cfg.table).await?;
         }
         while !self.shutdown.is_cancelled() {
-            let (js, shutdown, lease) = (&self.js, &self.shutdown, &mut lease);
+            let (js, shutdown, lease, health) =
+                (&self.js, &self.shutdown, &mut lease, &*self.health);
             let end = conn
                 .transaction(async |conn| {
                     let started = Instant::now();
@@ -79,7 +80,7 @@ impl Unordered {
                         return Ok::<_, diesel::result::Error>(None);
                     }
                     let span = info_span!("outbox.batch", batch.len = rows.len());
-                    let (acked, end) = publish_batch(js, cfg, &rows, lease, shutdown)
+                    let (acked, end) = publish_batch(js, cfg, &rows, lease, health, shutdown)
                         .instrument(span)
                         .await;
                     retire(conn, cfg, &acked).await?;
@@ -88,6 +89,7 @@ impl Unordered {
                 .await?;
             match end {
                 None => {
+                    self.health.progressed();
                     idle(
                         conn,
                         cfg,

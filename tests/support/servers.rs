@@ -69,6 +69,20 @@ impl NatsServer {
         }
     }
 
+    /// Freezes it (SIGSTOP): connections stay open and nothing answers.
+    pub fn pause(&self) {
+        if let Some(p) = &self.proc {
+            p.signal("STOP");
+        }
+    }
+
+    /// Thaws it after [`NatsServer::pause`] (SIGCONT).
+    pub fn resume(&self) {
+        if let Some(p) = &self.proc {
+            p.signal("CONT");
+        }
+    }
+
     /// Kills it (SIGKILL).
     pub fn stop(&mut self) {
         if let Some(mut p) = self.proc.take() {
