@@ -1135,3 +1135,160 @@ async fn relay_runs_with_the_readme_grants_and_leaks_no_password() {
     }
     let _ = std::fs::remove_dir_all(nats_dir);
 }
+
+// ---------------------------------------------------------------------------------------------
+// deploy/: the dashboard and the alerts query what the relay exports
+
+/// The `outbox_*` metric names that a file in deploy/ queries, histogram series
+/// (`_bucket`, `_sum`, `_count`) named by their histogram.
+fn queried_metrics(file: &str) -> std::collections::BTreeSet<String> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(file);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{file}: {e}"));
+    let mut names = std::collections::BTreeSet::new();
+    let mut rest = text.as_str();
+    while let Some(at) = rest.find("outbox_") {
+        let tail = &rest[at..];
+        let len = tail
+            .find(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'))
+            .unwrap_or(tail.len());
+        let name = &tail[..len];
+        let preceded = rest[..at]
+            .chars()
+            .next_back()
+            .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+        if !preceded {
+            let base = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| name.strip_suffix(s))
+                .unwrap_or(name);
+            names.insert(base.to_owned());
+        }
+        rest = &tail[len..];
+    }
+    names
+}
+
+/// The metric names in a Prometheus text body.
+fn exported_metrics(body: &str) -> std::collections::BTreeSet<String> {
+    body.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| l.split(['{', ' ']).next())
+        .map(|name| {
+            ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| name.strip_suffix(s))
+                .unwrap_or(name)
+                .to_owned()
+        })
+        .collect()
+}
+
+/// Every metric that deploy/grafana-dashboard.json and deploy/prometheus-alerts.yml query is
+/// one that a relay exports: an ordered relay with partitions, cleanup and a parked row, and a
+/// log-tailing relay that deletes captured rows.
+#[tokio::test]
+async fn the_dashboard_and_the_alerts_query_only_metrics_the_relay_exports() {
+    let mut queried = queried_metrics("deploy/grafana-dashboard.json");
+    let alerts = queried_metrics("deploy/prometheus-alerts.yml");
+    assert!(
+        queried.len() >= 20 && !alerts.is_empty(),
+        "the files were read: {queried:?} {alerts:?}"
+    );
+    queried.extend(alerts);
+    let t = Duration::from_secs(30);
+
+    // ordered, two partitions, cleanup, and a row over NATS's max payload (parked at once)
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let addr = format!("127.0.0.1:{}", free_port());
+    let ordered = Relay::start(relay_command(
+        &db,
+        &stream,
+        &[
+            "--partitions",
+            "2",
+            "--metrics-addr",
+            &addr,
+            "--stats-interval",
+            "200ms",
+            "--retention",
+            "0s",
+            "--cleanup-interval",
+            "200ms",
+        ],
+    ));
+    record(&db, 20, 4, "dash");
+    diesel::sql_query(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         VALUES (gen_random_uuid(), 'order', 'too-big', 'order.placed', \
+         to_jsonb(repeat('x', 2 * 1024 * 1024)))",
+    )
+    .execute(&mut db.conn())
+    .expect("an oversized row");
+    wait_metric(
+        &addr,
+        "outbox_cleanup_rows_deleted_total",
+        &[],
+        t,
+        "cleanup",
+        |v| v >= 20.0,
+    )
+    .await;
+    let mut exported = exported_metrics(
+        &wait_metric(&addr, "outbox_parked_rows", &[], t, "the parked row", |v| {
+            v >= 1.0
+        })
+        .await,
+    );
+    drop(ordered);
+
+    // log tailing, deleting what it captured
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let slot = support::slot::Slot::new(&db);
+    let addr = format!("127.0.0.1:{}", free_port());
+    let tailing = Relay::start(relay_command(
+        &db,
+        &stream,
+        &[
+            "--mode",
+            "log-tailing",
+            "--slot",
+            &slot.name,
+            "--metrics-addr",
+            &addr,
+            "--stats-interval",
+            "200ms",
+            "--captured-retention",
+            "0s",
+            "--captured-cleanup-interval",
+            "200ms",
+        ],
+    ));
+    wait_metric(
+        &addr,
+        "outbox_slot_reader",
+        &[],
+        t,
+        "the slot's reader",
+        |v| v == 1.0,
+    )
+    .await;
+    record(&db, 20, 4, "dash");
+    exported.extend(exported_metrics(
+        &wait_metric(
+            &addr,
+            "outbox_captured_rows_deleted_total",
+            &[],
+            t,
+            "captured rows deleted",
+            |v| v >= 20.0,
+        )
+        .await,
+    ));
+    drop(tailing);
+
+    let missing: Vec<&String> = queried.difference(&exported).collect();
+    assert!(
+        missing.is_empty(),
+        "deploy/ queries metrics no relay exported: {missing:?}\nexported: {exported:?}"
+    );
+}

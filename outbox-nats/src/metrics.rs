@@ -58,9 +58,20 @@ pub const SLOT_READER: &str = "outbox_slot_reader";
 /// Counter (log-tailing mode): captured rows deleted from the table.
 pub const CAPTURED_DELETED: &str = "outbox_captured_rows_deleted_total";
 
-/// Registers the descriptions of every metric.
+/// Registers the descriptions of every metric, and the counters without labels at zero: a
+/// counter that exists from the start gives `rate()` and dashboards a series before its first
+/// event (a duplicate, a parked row) instead of "no data".
 pub fn describe() {
-    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    use metrics::{Unit, counter, describe_counter, describe_gauge, describe_histogram};
+    for name in [
+        EVENTS_PUBLISHED,
+        DUPLICATES,
+        ROWS_PARKED,
+        CLEANUP_DELETED,
+        CAPTURED_DELETED,
+    ] {
+        counter!(name).increment(0);
+    }
     describe_counter!(EVENTS_PUBLISHED, Unit::Count, "Events acked by JetStream");
     describe_counter!(
         DUPLICATES,
