@@ -9,7 +9,9 @@
 //! - [`MIGRATIONS`] / [`create_table`] create the table, [`schema::outbox`] is its Diesel
 //!   definition;
 //! - [`relay`] (feature `async`) is the relay's database side: claim, mark, leases;
-//! - [`wal`] (feature `async`) is log tailing's: the slot, the publication, reading the WAL.
+//! - [`wal`] (feature `async`) is log tailing's: the slot, the publication, reading the WAL;
+//! - [`connect`] (feature `async`) opens an async connection whose failure says whether it
+//!   can heal.
 //!
 //! ```
 //! use diesel::prelude::*;
@@ -43,6 +45,8 @@
 //! ```
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+#[cfg(feature = "async")]
+mod connect;
 mod event;
 pub mod headers;
 pub mod inbox;
@@ -57,6 +61,8 @@ mod table;
 #[cfg(feature = "async")]
 pub mod wal;
 
+#[cfg(feature = "async")]
+pub use connect::{ConnectError, connect};
 pub use event::{OutboxEvent, TokenError, check_event_type, check_subject_token};
 pub use headers::EventHeaders;
 #[cfg(feature = "async")]

@@ -161,6 +161,22 @@ pub enum ConnectError {
     },
 }
 
+impl ConnectError {
+    /// Whether retrying may succeed: `false` for a URL that does not parse, credentials the
+    /// server refuses or that cannot be read; `true` for a server that is down, unreachable or
+    /// slow to answer.
+    pub fn can_heal(&self) -> bool {
+        use async_nats::ConnectErrorKind as K;
+        match self {
+            ConnectError::CredentialsFile { .. } | ConnectError::InvalidUrl { .. } => false,
+            ConnectError::Connect { source, .. } => !matches!(
+                source.kind(),
+                K::ServerParse | K::Authentication | K::AuthorizationViolation
+            ),
+        }
+    }
+}
+
 impl NatsOptions {
     /// Options for `url`, without credentials.
     pub fn new(url: impl Into<String>) -> Self {

@@ -362,15 +362,19 @@ pub enum ConsumerError {
     Config(String),
     /// PostgreSQL could not be reached within the start-up timeout.
     #[error(
-        "cannot connect to PostgreSQL within {timeout:?}; is it running, and is the consumer's database URL right?"
+        "cannot connect to PostgreSQL within {timeout:?}: {source}; is it running, and is the consumer's database URL right?"
     )]
     Database {
         /// How long it tried.
         timeout: Duration,
         /// The last error.
         #[source]
-        source: diesel::ConnectionError,
+        source: outbox_diesel::ConnectError,
     },
+    /// PostgreSQL refused the connection for a reason retrying cannot fix: the URL does not
+    /// parse, the database or the role does not exist, the credentials are refused.
+    #[error("cannot connect to PostgreSQL: {}; {}", .0, .0.fix().unwrap_or("check the consumer's database URL"))]
+    DatabaseRefused(#[source] outbox_diesel::ConnectError),
     /// A query failed at start-up.
     #[error("PostgreSQL refused the consumer's start-up query")]
     Query(#[source] diesel::result::Error),
@@ -688,7 +692,7 @@ impl Consumer {
         let mut backoff = Backoff::new(cfg.retry_delay, cfg.max_retry_delay);
         'fetch: while !shutdown.is_cancelled() {
             if conn.is_none() {
-                match AsyncPgConnection::establish(&cfg.database_url).await {
+                match outbox_diesel::connect(&cfg.database_url).await {
                     Ok(c) => {
                         info!(consumer = %cfg.durable_name, "reconnected to PostgreSQL");
                         conn = Some(c);
@@ -791,8 +795,9 @@ impl Consumer {
             cfg.max_retry_delay.min(Duration::from_secs(5)),
         );
         let mut conn = loop {
-            match AsyncPgConnection::establish(&cfg.database_url).await {
+            match outbox_diesel::connect(&cfg.database_url).await {
                 Ok(c) => break c,
+                Err(e) if !e.can_heal() => return Err(ConsumerError::DatabaseRefused(e)),
                 Err(e) if Instant::now() >= deadline => {
                     return Err(ConsumerError::Database {
                         timeout: cfg.startup_timeout,

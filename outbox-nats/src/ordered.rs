@@ -24,7 +24,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use async_nats::jetstream;
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use outbox_diesel::relay::{self as db, OutboxRow, Partition};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
@@ -53,7 +53,7 @@ impl Ordered {
         let mut backoff = Backoff::new(self.cfg.max_backoff);
         self.health.standby.store(1, Ordering::Relaxed);
         while !self.shutdown.is_cancelled() {
-            let mut conn = match AsyncPgConnection::establish(&self.cfg.database_url).await {
+            let mut conn = match outbox_diesel::connect(&self.cfg.database_url).await {
                 Ok(c) => c,
                 Err(e) => {
                     self.health.database_ok.store(false, Ordering::Relaxed);

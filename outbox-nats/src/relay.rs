@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_nats::jetstream;
-use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
+use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
 use futures_util::StreamExt;
 use outbox_diesel::relay as db;
 use tokio::task::JoinSet;
@@ -38,8 +38,12 @@ pub enum RelayError {
         timeout: Duration,
         /// The last error.
         #[source]
-        source: diesel::ConnectionError,
+        source: outbox_diesel::ConnectError,
     },
+    /// PostgreSQL refused the connection for a reason retrying cannot fix: the URL does not
+    /// parse, the database or the role does not exist, the credentials are refused.
+    #[error("cannot connect to PostgreSQL: {}; {}", .0, .0.fix().unwrap_or("check --database-url (DATABASE_URL)"))]
+    DatabaseRefused(#[source] outbox_diesel::ConnectError),
     /// A query failed at start-up.
     #[error(
         "PostgreSQL refused the relay's query: {0}; does the relay's role have SELECT, UPDATE and DELETE on the outbox table?"
@@ -208,16 +212,37 @@ impl Relay {
         if cfg.mode == Mode::LogTailing {
             self.check_log_tailing().await?;
         }
-        info!(
-            stream = %stream.name,
-            created = stream.created,
-            duplicate_window = ?stream.duplicate_window,
-            table = %cfg.table,
-            mode = %cfg.mode,
-            partitions = cfg.partitions,
-            workers = cfg.workers,
-            "outbox relay started"
-        );
+        // the settings in force for the mode, and no other mode's
+        match cfg.mode {
+            Mode::Ordered => info!(
+                stream = %stream.name,
+                created = stream.created,
+                duplicate_window = ?stream.duplicate_window,
+                table = %cfg.table,
+                mode = %cfg.mode,
+                partitions = cfg.partitions,
+                "outbox relay started"
+            ),
+            Mode::Unordered => info!(
+                stream = %stream.name,
+                created = stream.created,
+                duplicate_window = ?stream.duplicate_window,
+                table = %cfg.table,
+                mode = %cfg.mode,
+                workers = cfg.workers,
+                "outbox relay started"
+            ),
+            Mode::LogTailing => info!(
+                stream = %stream.name,
+                created = stream.created,
+                duplicate_window = ?stream.duplicate_window,
+                table = %cfg.table,
+                mode = %cfg.mode,
+                slot = %cfg.slot_name(),
+                publication = %cfg.publication_name(),
+                "outbox relay started"
+            ),
+        }
         self.health
             .stuck_after_ms
             .store(cfg.stall_after.as_millis() as u64, Ordering::Relaxed);
@@ -294,11 +319,14 @@ impl Relay {
     /// missing), so that what retrying cannot fix stops the relay with a clear error.
     async fn check_log_tailing(&self) -> Result<(), RelayError> {
         let cfg = &self.config;
-        let mut conn = AsyncPgConnection::establish(&cfg.database_url)
+        let mut conn = outbox_diesel::connect(&cfg.database_url)
             .await
-            .map_err(|e| RelayError::Database {
-                timeout: cfg.startup_timeout,
-                source: e,
+            .map_err(|e| match e.can_heal() {
+                true => RelayError::Database {
+                    timeout: cfg.startup_timeout,
+                    source: e,
+                },
+                false => RelayError::DatabaseRefused(e),
             })?;
         let mut reader = outbox_diesel::wal::WalReader::new(
             cfg.table.clone(),
@@ -322,8 +350,9 @@ impl Relay {
         let deadline = tokio::time::Instant::now() + cfg.startup_timeout;
         let mut backoff = Backoff::new(cfg.max_backoff);
         let mut conn = loop {
-            match AsyncPgConnection::establish(&cfg.database_url).await {
+            match outbox_diesel::connect(&cfg.database_url).await {
                 Ok(c) => break c,
+                Err(e) if !e.can_heal() => return Err(RelayError::DatabaseRefused(e)),
                 Err(e) if tokio::time::Instant::now() >= deadline => {
                     return Err(RelayError::Database {
                         timeout: cfg.startup_timeout,
@@ -516,7 +545,7 @@ async fn stats(
         metrics::gauge!(m::NATS_CONNECTED).set(if health.nats_connected() { 1.0 } else { 0.0 });
         metrics::gauge!(m::READY).set(if health.ready() { 1.0 } else { 0.0 });
         if conn.is_none() {
-            conn = match AsyncPgConnection::establish(&cfg.database_url).await {
+            conn = match outbox_diesel::connect(&cfg.database_url).await {
                 Ok(mut c) => c
                     .batch_execute("SET application_name = 'outbox-relay-stats'")
                     .await

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use chrono::{DateTime, Utc};
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use outbox_diesel::relay::OutboxRow;
 use outbox_diesel::wal::{self, Lsn, WalBatch, WalError, WalReader};
 use tokio_util::sync::CancellationToken;
@@ -143,7 +143,7 @@ impl Tailing {
         let mut backoff = Backoff::new(self.cfg.max_backoff);
         self.set_reader(false);
         while !self.shutdown.is_cancelled() {
-            let mut conn = match AsyncPgConnection::establish(&self.cfg.database_url).await {
+            let mut conn = match outbox_diesel::connect(&self.cfg.database_url).await {
                 Ok(c) => c,
                 Err(e) => {
                     self.health.database_ok.store(false, Ordering::Relaxed);

@@ -31,7 +31,7 @@ impl Unordered {
     pub(crate) async fn run(self) {
         let mut backoff = Backoff::new(self.cfg.max_backoff);
         while !self.shutdown.is_cancelled() {
-            let mut conn = match AsyncPgConnection::establish(&self.cfg.database_url).await {
+            let mut conn = match outbox_diesel::connect(&self.cfg.database_url).await {
                 Ok(c) => c,
                 Err(e) => {
                     self.health.database_ok.store(false, Ordering::Relaxed);

@@ -10,7 +10,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use diesel_async::{AsyncConnection, AsyncPgConnection};
+use diesel_async::AsyncPgConnection;
 use outbox_diesel::OutboxTable;
 use outbox_diesel::relay as db;
 use outbox_nats::subject::SubjectTemplate;
@@ -325,8 +325,10 @@ fn init_tracing(format: LogFormat) {
     // logs the same event once with what it does about it: quiet by default
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,pgwire_replication=off"));
-    // colours only on a terminal: piped logs stay plain text
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    // colours only on a terminal, and not with NO_COLOR (https://no-color.org): piped logs
+    // stay plain text
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(ansi)
@@ -395,7 +397,7 @@ async fn run(args: RunArgs) -> ExitCode {
         Ok(c) => c,
         Err(e) => {
             error!("{e}");
-            return ExitCode::from(1);
+            return ExitCode::from(if e.can_heal() { 1 } else { 2 });
         }
     };
 
@@ -428,8 +430,18 @@ async fn run(args: RunArgs) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             error!("{e}");
-            ExitCode::from(1)
+            ExitCode::from(exit_code(&e))
         }
+    }
+}
+
+/// 2 for what the operator must change (flags, a URL that does not parse, a database or role
+/// that does not exist, refused credentials), 1 for every other failure.
+fn exit_code(e: &outbox_nats::RelayError) -> u8 {
+    use outbox_nats::RelayError as E;
+    match e {
+        E::Config(_) | E::DatabaseRefused(_) => 2,
+        _ => 1,
     }
 }
 
@@ -443,9 +455,7 @@ async fn connect_nats(
     loop {
         match options.connect().await {
             Ok(c) => return Ok(c),
-            // retrying cannot fix the setting
-            Err(e @ outbox_nats::ConnectError::InvalidUrl { .. }) => return Err(e),
-            Err(e) if tokio::time::Instant::now() + delay < deadline => {
+            Err(e) if e.can_heal() && tokio::time::Instant::now() + delay < deadline => {
                 tracing::warn!("{e}; retrying");
                 tokio::time::sleep(delay).await;
                 delay = (delay * 2).min(Duration::from_secs(5));
@@ -565,12 +575,20 @@ fn fail(command: &str, msg: String) -> ExitCode {
 
 /// Connects for a one-shot command and checks the table exists.
 async fn open(command: &str, db: &DbArgs) -> Result<AsyncPgConnection, ExitCode> {
-    let mut conn = AsyncPgConnection::establish(&db.database_url).await.map_err(|e| {
-        fail(command, format!(
-            "cannot connect to {}: {e}; is PostgreSQL running, and is --database-url (DATABASE_URL) right?",
-            redact_url(&db.database_url)
-        ))
-    })?;
+    let mut conn = outbox_diesel::connect(&db.database_url)
+        .await
+        .map_err(|e| {
+            let fix = e
+                .fix()
+                .unwrap_or("is PostgreSQL running, and is --database-url (DATABASE_URL) right?");
+            fail(
+                command,
+                format!(
+                    "cannot connect to PostgreSQL at {}: {e}; {fix}",
+                    redact_url(&db.database_url)
+                ),
+            )
+        })?;
     match db::table_exists(&mut conn, &db.table).await {
         Ok(true) => Ok(conn),
         Ok(false) => Err(fail(

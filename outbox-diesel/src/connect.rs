@@ -1,0 +1,216 @@
+//! Opening an async connection: [`connect`] keeps the server's reason for a failure and says
+//! whether retrying can help.
+
+use std::error::Error as _;
+
+use diesel_async::AsyncPgConnection;
+use tokio_postgres::error::SqlState;
+
+/// Why a connection to PostgreSQL could not be opened.
+///
+/// [`ConnectError::can_heal`] tells a failure that may pass (the server is down, starting up,
+/// shutting down or full; the network timed out) from one that cannot (a URL that does not
+/// parse, a database or role that does not exist, refused credentials). Its message is the
+/// reason as the server or the network gave it, with the server's address, never with a
+/// password.
+#[derive(Debug, thiserror::Error)]
+#[error("{reason}")]
+pub struct ConnectError {
+    reason: String,
+    sqlstate: Option<String>,
+    heals: bool,
+    fix: Option<&'static str>,
+}
+
+impl ConnectError {
+    /// Whether retrying may succeed: a refused or timed-out connection, a server starting up,
+    /// shutting down or out of connection slots. `false` for a bad URL, a missing database or
+    /// role, refused credentials: retrying those cannot help.
+    pub fn can_heal(&self) -> bool {
+        self.heals
+    }
+
+    /// The server's SQLSTATE, when the server refused the connection (`3D000`: no such
+    /// database, `28P01`: wrong password, `57P03`: starting up, ...).
+    pub fn sqlstate(&self) -> Option<&str> {
+        self.sqlstate.as_deref()
+    }
+
+    /// What to change, for a failure that cannot heal.
+    pub fn fix(&self) -> Option<&'static str> {
+        self.fix
+    }
+
+    fn from_postgres(e: &tokio_postgres::Error, at: &str) -> Self {
+        if let Some(db) = e.as_db_error() {
+            let code = db.code();
+            let heals = sqlstate_can_heal(code);
+            let fix = match code {
+                c if *c == SqlState::INVALID_CATALOG_NAME => Some(
+                    "the database does not exist: create it, or name an existing one in the URL",
+                ),
+                c if *c == SqlState::INVALID_PASSWORD
+                    || *c == SqlState::INVALID_AUTHORIZATION_SPECIFICATION =>
+                {
+                    Some(
+                        "the server refused the role: check the user name and password in the URL, the role's LOGIN right and pg_hba.conf",
+                    )
+                }
+                c if *c == SqlState::INSUFFICIENT_PRIVILEGE => {
+                    Some("the role may not connect: GRANT CONNECT ON DATABASE to it")
+                }
+                _ if heals => None,
+                _ => Some("check the URL"),
+            };
+            return ConnectError {
+                reason: format!("{at}{}: {}", db.severity(), db.message()),
+                sqlstate: Some(code.code().to_owned()),
+                heals,
+                fix,
+            };
+        }
+        // the kinds tokio-postgres does not expose are told apart by their cause: the network
+        // (an I/O error) and a connection closed during start-up can heal; a URL that does
+        // not parse, a missing password, a failed authentication or TLS set-up cannot
+        let mut chain = e.to_string();
+        let mut io = None;
+        let mut source = e.source();
+        while let Some(s) = source {
+            chain.push_str(": ");
+            chain.push_str(&s.to_string());
+            if let Some(e) = s.downcast_ref::<std::io::Error>() {
+                io = Some(e.to_string());
+            }
+            source = s.source();
+        }
+        let heals = io.is_some() || e.is_closed();
+        ConnectError {
+            reason: match io {
+                // "connection to server at "db", port 5432 failed: Connection refused", as libpq
+                Some(io) => format!("{at}{io}"),
+                None if heals => format!("{at}{chain}"),
+                None => chain,
+            },
+            sqlstate: None,
+            heals,
+            fix: (!heals).then_some(
+                "give a PostgreSQL URL (postgres://USER[:PASSWORD]@HOST[:PORT]/DATABASE) or key=value pairs (host=... user=... dbname=...)",
+            ),
+        }
+    }
+}
+
+/// Whether a server's refusal with `code` may pass: connection exceptions (class 08),
+/// insufficient resources (class 53: too many connections, out of memory or disk), a server
+/// starting up, shutting down or in recovery (57P01-57P03), a system error (class 58).
+fn sqlstate_can_heal(code: &SqlState) -> bool {
+    let c = code.code();
+    c.starts_with("08")
+        || c.starts_with("53")
+        || c.starts_with("58")
+        || matches!(c, "57P01" | "57P02" | "57P03")
+}
+
+/// `connection to server at "host", port P failed: `, as libpq says it.
+fn server_at(config: &tokio_postgres::Config) -> String {
+    let ports = config.get_ports();
+    let servers: Vec<String> = config
+        .get_hosts()
+        .iter()
+        .enumerate()
+        .map(|(i, host)| {
+            let port = ports.get(i).or(ports.first()).copied().unwrap_or(5432);
+            match host {
+                tokio_postgres::config::Host::Tcp(h) => format!("\"{h}\", port {port}"),
+                #[cfg(unix)]
+                tokio_postgres::config::Host::Unix(p) => {
+                    format!("socket \"{}/.s.PGSQL.{port}\"", p.display())
+                }
+            }
+        })
+        .collect();
+    if servers.is_empty() {
+        String::new()
+    } else {
+        format!("connection to server at {} failed: ", servers.join(", "))
+    }
+}
+
+/// Opens an async connection to `database_url` (a `postgres://` URL or `key=value` pairs, as
+/// libpq takes them). Unlike `AsyncPgConnection::establish`, a failure keeps its reason (the
+/// server's message or the network's) and says whether it [can heal](ConnectError::can_heal).
+///
+/// ```no_run
+/// # async fn run() -> Result<(), outbox_diesel::ConnectError> {
+/// match outbox_diesel::connect("postgres://relay@127.0.0.1/app").await {
+///     Ok(conn) => { /* ... */ }
+///     Err(e) if e.can_heal() => { /* retry later */ }
+///     Err(e) => return Err(e), // a missing database, a refused role, a bad URL
+/// }
+/// # Ok(()) }
+/// ```
+pub async fn connect(database_url: &str) -> Result<AsyncPgConnection, ConnectError> {
+    let config: tokio_postgres::Config = database_url
+        .parse()
+        .map_err(|e: tokio_postgres::Error| ConnectError::from_postgres(&e, ""))?;
+    let at = server_at(&config);
+    let (client, connection) = config
+        .connect(tokio_postgres::NoTls)
+        .await
+        .map_err(|e| ConnectError::from_postgres(&e, &at))?;
+    AsyncPgConnection::try_from_client_and_connection(client, connection)
+        .await
+        .map_err(|e| ConnectError {
+            reason: format!("{at}{e}"),
+            sqlstate: None,
+            heals: true,
+            fix: None,
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_url_that_does_not_parse_cannot_heal_and_says_what_to_give() {
+        let e = connect("http://example.com/app")
+            .await
+            .err()
+            .expect("refused");
+        assert!(!e.can_heal(), "{e}");
+        assert!(e.to_string().contains("invalid connection string"), "{e}");
+        assert!(e.fix().is_some_and(|f| f.contains("postgres://")));
+    }
+
+    #[tokio::test]
+    async fn a_refused_connection_can_heal_and_keeps_the_reason_and_the_address() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free port");
+        let e = connect(&format!("postgres://u:secret@127.0.0.1:{port}/db"))
+            .await
+            .err()
+            .expect("refused");
+        assert!(e.can_heal(), "{e}");
+        let text = e.to_string();
+        assert!(
+            text.contains(&format!(
+                "connection to server at \"127.0.0.1\", port {port} failed"
+            )) && text.contains("refused"),
+            "{text}"
+        );
+        assert!(!text.contains("secret") && !format!("{e:?}").contains("secret"));
+    }
+
+    #[test]
+    fn sqlstates_of_a_server_that_is_busy_or_starting_heal_and_others_do_not() {
+        for heals in ["57P03", "53300", "08006", "57P01"] {
+            assert!(sqlstate_can_heal(&SqlState::from_code(heals)), "{heals}");
+        }
+        for not in ["3D000", "28P01", "28000", "42501", "55000"] {
+            assert!(!sqlstate_can_heal(&SqlState::from_code(not)), "{not}");
+        }
+    }
+}

@@ -1,0 +1,166 @@
+//! What a newcomer meets first: the relay's answer to a wrong `DATABASE_URL` (at once, exit 2,
+//! with the server's reason) or to a server that is not up yet (retried, with the reason), its
+//! logs when they go to a file, and its start-up line.
+//!
+//! Build the binaries first: `cargo build --workspace --bins --examples`.
+
+mod support;
+
+use std::io::Read;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use support::{Proc, TestDb, TestStream, free_port, pg_base, relay_bin};
+
+/// Runs `cmd` to its exit (within `timeout`): exit code, stdout, stderr, and how long it took.
+fn run_to_exit(cmd: &mut Command, timeout: Duration) -> (Option<i32>, String, String, Duration) {
+    let started = Instant::now();
+    let mut p = Proc::spawn(
+        "outbox-relay",
+        cmd.stdout(Stdio::piped()).stderr(Stdio::piped()),
+    );
+    let mut out = p.child.stdout.take().expect("stdout");
+    let mut err = p.child.stderr.take().expect("stderr");
+    let out = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = out.read_to_string(&mut s);
+        s
+    });
+    let err = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    let code = p.wait_exit(timeout);
+    p.kill();
+    let elapsed = started.elapsed();
+    (
+        code,
+        out.join().unwrap_or_default(),
+        err.join().unwrap_or_default(),
+        elapsed,
+    )
+}
+
+/// `outbox-relay run` against `database_url`.
+fn relay_against(database_url: &str, stream: &TestStream, startup_timeout: &str) -> Command {
+    let mut cmd = Command::new(relay_bin());
+    cmd.arg("run")
+        .env_clear()
+        .env("RUST_LOG", "info")
+        .env("DATABASE_URL", database_url)
+        .env("NATS_URL", &stream.nats_url)
+        .args(["--stream", &stream.name, "--subject-prefix", &stream.prefix])
+        .args(["--startup-timeout", startup_timeout]);
+    cmd
+}
+
+/// The server's `postgres://user@host:port` with `path` appended.
+fn on_server(path: &str) -> String {
+    format!("{}/{path}", pg_base())
+}
+
+#[test]
+fn a_database_that_does_not_exist_fails_at_once_with_exit_2_and_the_servers_reason() {
+    let stream = TestStream::new();
+    let name = format!("no_such_db_{}", uuid::Uuid::now_v7().simple());
+    let (code, _, stderr, took) = run_to_exit(
+        &mut relay_against(&on_server(&name), &stream, "30s"),
+        Duration::from_secs(25),
+    );
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(took < Duration::from_secs(10), "not retried: took {took:?}");
+    assert!(
+        stderr.contains(&format!("database \"{name}\" does not exist")),
+        "the server's reason: {stderr}"
+    );
+    assert!(stderr.contains("create it"), "what to do: {stderr}");
+    assert!(!stderr.contains("retrying"), "not retried: {stderr}");
+}
+
+#[test]
+fn a_database_url_that_does_not_parse_fails_at_once_with_exit_2_saying_what_to_give() {
+    let stream = TestStream::new();
+    let (code, _, stderr, took) = run_to_exit(
+        &mut relay_against("http://127.0.0.1:5432/app", &stream, "30s"),
+        Duration::from_secs(25),
+    );
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(took < Duration::from_secs(10), "not retried: took {took:?}");
+    assert!(stderr.contains("invalid connection string"), "{stderr}");
+    assert!(
+        stderr.contains("postgres://USER"),
+        "the form to give: {stderr}"
+    );
+    assert!(!stderr.contains("retrying"), "not retried: {stderr}");
+}
+
+#[test]
+fn a_role_that_does_not_exist_fails_at_once_with_exit_2_and_the_servers_reason() {
+    let stream = TestStream::new();
+    let db = TestDb::new();
+    let role = format!(
+        "no_such_role_{}",
+        &uuid::Uuid::now_v7().simple().to_string()[20..]
+    );
+    let host = pg_base()
+        .rsplit('@')
+        .next()
+        .unwrap_or("127.0.0.1:5432")
+        .to_owned();
+    let url = format!("postgres://{role}:pw@{host}/{}", db.name);
+    let (code, _, stderr, took) = run_to_exit(
+        &mut relay_against(&url, &stream, "30s"),
+        Duration::from_secs(25),
+    );
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(took < Duration::from_secs(10), "not retried: took {took:?}");
+    assert!(
+        stderr.contains(&format!("role \"{role}\" does not exist")),
+        "the server's reason: {stderr}"
+    );
+    assert!(stderr.contains("user name and password"), "{stderr}");
+}
+
+#[test]
+fn a_refused_connection_is_retried_until_the_startup_timeout_and_keeps_the_reason() {
+    let stream = TestStream::new();
+    let port = free_port();
+    let mut cmd = relay_against(
+        &format!("postgres://postgres@127.0.0.1:{port}/app"),
+        &stream,
+        "2s",
+    );
+    let (code, _, stderr, took) = run_to_exit(&mut cmd, Duration::from_secs(25));
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        took >= Duration::from_secs(2),
+        "retried for the timeout: {took:?}"
+    );
+    assert!(stderr.contains("retrying"), "{stderr}");
+    let reason = format!("connection to server at \"127.0.0.1\", port {port} failed");
+    assert!(
+        stderr.contains(&reason) && stderr.contains("Connection refused"),
+        "the reason, as libpq gives it: {stderr}"
+    );
+    assert!(
+        stderr.contains("cannot connect to PostgreSQL within 2s"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test]
+async fn one_shot_commands_fail_with_exit_2_and_the_servers_reason() {
+    let name = format!("no_such_db_{}", uuid::Uuid::now_v7().simple());
+    let out = Command::new(relay_bin())
+        .env_clear()
+        .args(["status", "--database-url", &on_server(&name)])
+        .output()
+        .expect("run status");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains(&format!("database \"{name}\" does not exist")),
+        "{stderr}"
+    );
+}
