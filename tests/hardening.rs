@@ -7,11 +7,14 @@
 
 mod support;
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use diesel::prelude::*;
+use outbox_diesel::{OutboxEvent, OutboxExt};
+use serde::Serialize;
 use support::servers::NatsServer;
 use support::{Proc, TestDb, TestStream, free_port, http_get, relay_command, wait_until};
 
@@ -270,4 +273,459 @@ async fn a_full_discard_new_stream_parks_nothing_and_flows_when_its_limit_is_rai
             m.aggregate_id
         );
     }
+}
+
+#[derive(Debug, Clone, Serialize, OutboxEvent)]
+#[outbox(aggregate_type = "account", event_type = "account.changed")]
+struct Changed {
+    #[outbox(aggregate_id)]
+    account: String,
+    n: i64,
+}
+
+fn record(conn: &mut PgConnection, n: usize, aggregates: usize) {
+    conn.transaction(|conn| {
+        let events: Vec<Changed> = (0..n)
+            .map(|i| Changed {
+                account: format!("acct-{}", i % aggregates),
+                n: i as i64,
+            })
+            .collect();
+        conn.record_events(&events)
+    })
+    .expect("record");
+}
+
+/// A login role of its own, with only the README's GRANTs on the outbox of `db`; dropped on
+/// `Drop` (roles are cluster-wide: the name is unique, and its grants go first).
+struct Role {
+    name: String,
+    db_url: String,
+}
+
+impl Role {
+    fn relay(db: &TestDb) -> Role {
+        let name = format!(
+            "outbox_hard_{}",
+            &uuid::Uuid::now_v7().simple().to_string()[16..]
+        );
+        let mut admin = db.conn();
+        for sql in [
+            format!("CREATE ROLE {name} LOGIN"),
+            format!("GRANT USAGE ON SCHEMA public TO {name}"),
+            format!("GRANT SELECT, UPDATE, DELETE ON outbox TO {name}"),
+        ] {
+            diesel::sql_query(sql)
+                .execute(&mut admin)
+                .expect("set up the role");
+        }
+        Role {
+            name,
+            db_url: db.url.clone(),
+        }
+    }
+
+    /// `db`'s URL with this role as the user.
+    fn url(&self) -> String {
+        let base = support::pg_base();
+        let host = base.rsplit('@').next().unwrap_or("127.0.0.1:5432");
+        let db = self.db_url.rsplit('/').next().unwrap_or_default();
+        format!("postgres://{}@{host}/{db}", self.name)
+    }
+}
+
+impl Drop for Role {
+    fn drop(&mut self) {
+        if let Ok(mut conn) = PgConnection::establish(&self.db_url) {
+            let _ = diesel::sql_query(format!(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{}'",
+                self.name
+            ))
+            .execute(&mut conn);
+            let _ = diesel::sql_query(format!("DROP OWNED BY {}", self.name)).execute(&mut conn);
+        }
+        if let Ok(mut admin) = PgConnection::establish(&format!("{}/postgres", support::pg_base()))
+        {
+            let _ =
+                diesel::sql_query(format!("DROP ROLE IF EXISTS {}", self.name)).execute(&mut admin);
+        }
+    }
+}
+
+/// Partitions per owner pid.
+fn owners_per_pid(db: &TestDb) -> HashMap<i32, usize> {
+    let mut per_pid: HashMap<i32, usize> = HashMap::new();
+    for (_, pid) in support::partition_owners(db) {
+        *per_pid.entry(pid).or_default() += 1;
+    }
+    per_pid
+}
+
+async fn wait_published(db: &TestDb, n: i64) {
+    wait_until(
+        Duration::from_secs(30),
+        &format!("{n} rows published"),
+        || async { db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL") >= n },
+    )
+    .await;
+}
+
+// 2. Relays running as different roles, with only the README's GRANTs: each sees the other in
+// `pg_locks` (another role's `pg_stat_activity.backend_start` is NULL to it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relays_running_as_different_roles_share_the_partitions() {
+    let db = TestDb::new();
+    let stream = TestStream::new();
+    let (a, b) = (Role::relay(&db), Role::relay(&db));
+    let args = ["--partitions", "4"];
+    let mut cmd = relay_command(&db, &stream, &args);
+    cmd.env("DATABASE_URL", a.url());
+    let _ra = Proc::spawn("relay-a", &mut cmd);
+    let mut cmd = relay_command(&db, &stream, &args);
+    cmd.env("DATABASE_URL", b.url());
+    let _rb = Proc::spawn("relay-b", &mut cmd);
+
+    wait_until(
+        Duration::from_secs(20),
+        "4 partitions spread 2 and 2 over the two roles' relays",
+        || async {
+            let per_pid = owners_per_pid(&db);
+            per_pid.len() == 2 && per_pid.values().all(|&n| n == 2)
+        },
+    )
+    .await;
+    // and they stay shared: no relay loops on a failing balance and drops its partitions
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let per_pid = owners_per_pid(&db);
+    assert!(
+        per_pid.len() == 2 && per_pid.values().all(|&n| n == 2),
+        "{per_pid:?}"
+    );
+    assert_eq!(
+        db.scalar(&format!(
+            "SELECT count(DISTINCT usename) FROM pg_stat_activity WHERE application_name = \
+             'outbox-relay' AND usename IN ('{}', '{}')",
+            a.name, b.name
+        )),
+        2,
+        "each relay runs as its own role"
+    );
+    record(&mut db.conn(), 200, 40);
+    wait_published(&db, 200).await;
+    assert_eq!(stream.count().await, 200);
+}
+
+// 8. The largest partition count: two relays share 1,024 partitions, and the membership keys
+// of one table cannot be read as another's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_relays_share_the_largest_partition_count() {
+    let db = TestDb::new();
+    let stream = TestStream::new();
+    let max = outbox_diesel::relay::MAX_PARTITIONS.to_string();
+    let args = ["--partitions", max.as_str()];
+    let _r1 = Proc::spawn("relay-1", &mut relay_command(&db, &stream, &args));
+    let _r2 = Proc::spawn("relay-2", &mut relay_command(&db, &stream, &args));
+    wait_until(
+        Duration::from_secs(60),
+        "1,024 partitions spread 512 and 512",
+        || async {
+            let per_pid = owners_per_pid(&db);
+            per_pid.len() == 2 && per_pid.values().all(|&n| n == 512)
+        },
+    )
+    .await;
+    // both are members of this table with their count, and of no other table
+    let mut conn = db.async_conn().await;
+    let members = outbox_diesel::relay::members(&mut conn, &outbox_diesel::OutboxTable::DEFAULT)
+        .await
+        .expect("members");
+    assert_eq!(members.len(), 2, "{members:?}");
+    assert!(members.iter().all(|m| m.partitions == 1024), "{members:?}");
+    assert_eq!(
+        db.scalar(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 \
+             AND classid <> 'outbox'::regclass::oid \
+             AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        ),
+        0,
+        "a membership key names another table"
+    );
+    record(&mut db.conn(), 300, 300);
+    wait_published(&db, 300).await;
+}
+
+#[test]
+fn a_partition_count_above_the_largest_is_refused_at_start() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let over = (outbox_diesel::relay::MAX_PARTITIONS + 1).to_string();
+    let out = relay_command(&db, &stream, &["--partitions", over.as_str()])
+        .output()
+        .expect("run the relay");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--partitions 1025 is out of range 1..=1024"),
+        "{stderr}"
+    );
+}
+
+/// `outbox-relay run` for `table`, with the given timings (no defaults of `relay_command` to
+/// override).
+fn relay_for(db_url: &str, stream: &TestStream, table: &str, args: &[&str]) -> Command {
+    let mut cmd = Command::new(support::relay_bin());
+    cmd.arg("run")
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env(
+            "RUST_LOG",
+            std::env::var("OUTBOX_TEST_LOG").unwrap_or_else(|_| "warn".into()),
+        )
+        .env("DATABASE_URL", db_url)
+        .env("NATS_URL", &stream.nats_url)
+        .args(["--stream", &stream.name, "--subject-prefix", &stream.prefix])
+        .args(["--table", table, "--startup-timeout", "20s"])
+        .args(args);
+    cmd
+}
+
+fn count_published(db: &TestDb, table: &outbox_diesel::OutboxTable) -> i64 {
+    db.scalar(&format!(
+        "SELECT count(*) FROM {} WHERE published_at IS NOT NULL",
+        table.quoted()
+    ))
+}
+
+// 3. A table whose `schema.table` is longer than PostgreSQL's 63-byte channel names: the
+// wake-up never fails the business transaction, and it still wakes the relay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_table_name_never_fails_the_business_transaction_and_still_wakes_the_relay() {
+    let db = TestDb::new();
+    let stream = TestStream::new();
+    let schema = format!("s{}", "x".repeat(39));
+    let name = format!("t{}", "y".repeat(29));
+    assert_eq!((schema.len(), name.len()), (40, 30));
+    let table = outbox_diesel::OutboxTable::with_schema(&schema, &name).expect("valid names");
+    assert!(table.channel().len() <= 63, "{}", table.channel());
+    let mut conn = db.conn();
+    diesel::sql_query(format!("CREATE SCHEMA {schema}"))
+        .execute(&mut conn)
+        .expect("schema");
+    outbox_diesel::create_table(&mut conn, &table).expect("create the table");
+    let outbox =
+        outbox_diesel::Outbox::new(table.clone()).notify(outbox_diesel::Notify::EveryTransaction);
+    let event = Changed {
+        account: "a".into(),
+        n: 0,
+    };
+    conn.transaction(|conn| outbox.record(conn, &event).map(drop))
+        .expect("the business transaction commits");
+
+    // the relay polls every 10 s: a publish within 3 s is the NOTIFY's doing
+    let full = table.to_string();
+    let _relay = Proc::spawn(
+        "relay",
+        &mut relay_for(
+            &db.url,
+            &stream,
+            &full,
+            &[
+                "--mode",
+                "unordered",
+                "--workers",
+                "1",
+                "--poll-interval",
+                "10s",
+                "--lease",
+                "40s",
+            ],
+        ),
+    );
+    wait_until(
+        Duration::from_secs(20),
+        "the first row published",
+        || async { count_published(&db, &table) == 1 },
+    )
+    .await;
+    // the relay has polled and now idles for 10 s; let it settle into the wait
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    conn.transaction(|conn| outbox.record(conn, &event).map(drop))
+        .expect("the business transaction commits");
+    wait_until(
+        Duration::from_secs(3),
+        "the second row published on the NOTIFY, before the next poll",
+        || async { count_published(&db, &table) == 2 },
+    )
+    .await;
+}
+
+// 13. A table name with a backslash and a quote, on a server with
+// `standard_conforming_strings = off`: names reach SQL as bind parameters or through one
+// quoting function that is right under either setting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_name_with_a_backslash_and_a_quote_works_without_standard_conforming_strings() {
+    let db = TestDb::new();
+    let stream = TestStream::new();
+    diesel::sql_query(format!(
+        "ALTER DATABASE {} SET standard_conforming_strings = off",
+        db.name
+    ))
+    .execute(&mut db.conn())
+    .expect("set standard_conforming_strings");
+    let name = r"we\'ird";
+    let table = outbox_diesel::OutboxTable::new(name).expect("a valid name");
+    let mut conn = db.conn();
+    assert_eq!(
+        db.scalar("SELECT (current_setting('standard_conforming_strings') = 'off')::int"),
+        1
+    );
+    outbox_diesel::create_table(&mut conn, &table).expect("create the table");
+    outbox_diesel::create_table(&mut conn, &table).expect("a second create finds it");
+    let outbox =
+        outbox_diesel::Outbox::new(table.clone()).notify(outbox_diesel::Notify::EveryTransaction);
+    for n in 0..10 {
+        let event = Changed {
+            account: format!("a{}", n % 3),
+            n,
+        };
+        conn.transaction(|conn| outbox.record(conn, &event).map(drop))
+            .expect("record");
+    }
+    let _relay = Proc::spawn(
+        "relay",
+        &mut relay_for(
+            &db.url,
+            &stream,
+            name,
+            &["--partitions", "2", "--poll-interval", "50ms"],
+        ),
+    );
+    wait_until(Duration::from_secs(20), "10 rows published", || async {
+        count_published(&db, &table) == 10
+    })
+    .await;
+    // status reads the same table and sees the two partitions' owner
+    let out = Command::new(support::relay_bin())
+        .args(["status", "--json", "--table", name])
+        .env_clear()
+        .env("DATABASE_URL", &db.url)
+        .output()
+        .expect("status");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let status: serde_json::Value = serde_json::from_str(&stdout).expect("status JSON");
+    assert_eq!(
+        status["relays"].as_array().map(Vec::len),
+        Some(1),
+        "{status}"
+    );
+    assert_eq!(stream.count().await, 10);
+}
+
+/// A private `nats-server -js` on a free port, as a process the test may pause; killed and its
+/// store removed on `Drop`.
+struct PausableNats {
+    proc: Proc,
+    port: u16,
+    dir: std::path::PathBuf,
+}
+
+impl PausableNats {
+    fn start() -> Self {
+        let port = free_port();
+        let dir =
+            std::env::temp_dir().join(format!("outbox-nats-{}", uuid::Uuid::now_v7().simple()));
+        std::fs::create_dir_all(&dir).expect("nats dir");
+        let proc = Proc::spawn(
+            "nats-server",
+            Command::new(support::servers::nats_server_bin())
+                .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+                .arg(&dir)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null()),
+        );
+        let start = std::time::Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "nats-server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        PausableNats { proc, port, dir }
+    }
+
+    fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for PausableNats {
+    fn drop(&mut self) {
+        self.proc.signal("CONT");
+        self.proc.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The backend pids of the relay's publishing sessions.
+fn relay_sessions(db: &TestDb) -> Vec<i32> {
+    #[derive(QueryableByName)]
+    struct P {
+        #[diesel(sql_type = diesel::sql_types::Integer)]
+        pid: i32,
+    }
+    let rows: Vec<P> = diesel::sql_query(
+        "SELECT pid FROM pg_stat_activity WHERE application_name = 'outbox-relay' \
+         AND datname = current_database() ORDER BY pid",
+    )
+    .load(&mut db.conn())
+    .expect("sessions");
+    rows.into_iter().map(|p| p.pid).collect()
+}
+
+// 12 (unordered). Acks slower than the lease: the claim transaction holds its rows while it
+// waits, and the idle-in-transaction timeout must not end it and hand them to another worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unordered_claim_survives_acks_slower_than_the_lease() {
+    let db = TestDb::new();
+    let nats = PausableNats::start();
+    let stream = TestStream::on(&nats.url());
+    let _relay = Proc::spawn(
+        "relay",
+        &mut relay_command(
+            &db,
+            &stream,
+            &["--mode", "unordered", "--workers", "1", "--lease", "3s"],
+        ),
+    );
+    record(&mut db.conn(), 1, 1);
+    wait_published(&db, 1).await;
+    let before = relay_sessions(&db);
+    assert_eq!(before.len(), 1, "{before:?}");
+
+    // JetStream stalls for 4.5 s (within the client's 5 s ack timeout, past the 3 s lease)
+    // right when the worker has claimed and sent a batch
+    nats.proc.signal("STOP");
+    record(&mut db.conn(), 20, 5);
+    wait_until(Duration::from_secs(5), "the batch claimed", || async {
+        db.scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'outbox-relay' \
+             AND datname = current_database() AND state = 'idle in transaction'",
+        ) == 1
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(4500)).await;
+    nats.proc.signal("CONT");
+
+    wait_published(&db, 21).await;
+    assert_eq!(
+        relay_sessions(&db),
+        before,
+        "the worker's session was ended while it waited for acks"
+    );
+    assert_eq!(stream.count().await, 21);
 }

@@ -123,16 +123,24 @@ fn quote_object_names(line: &str, prefix: &str) -> String {
 /// Creates the outbox table `table` (and its indexes) when it does not exist yet, in one
 /// transaction. For the default name prefer [`MIGRATIONS`], which Diesel tracks.
 pub fn create_table(conn: &mut PgConnection, table: &OutboxTable) -> diesel::QueryResult<()> {
-    let exists: bool = diesel::select(diesel::dsl::sql::<diesel::sql_types::Bool>(&format!(
-        "to_regclass({}) IS NOT NULL",
-        crate::table::quote_literal(&table.quoted())
-    )))
+    let exists: bool = diesel::select(
+        diesel::dsl::sql::<diesel::sql_types::Bool>("to_regclass(")
+            .bind::<diesel::sql_types::Text, _>(table.quoted())
+            .sql(") IS NOT NULL"),
+    )
     .get_result(conn)?;
     if exists {
         return Ok(());
     }
     conn.transaction(|conn| {
-        diesel::connection::SimpleConnection::batch_execute(conn, &create_table_sql(table))
+        // the DDL's string literals (the CHECKs' patterns) are written for standard strings
+        diesel::connection::SimpleConnection::batch_execute(
+            conn,
+            &format!(
+                "SET LOCAL standard_conforming_strings = on;\n{}",
+                create_table_sql(table)
+            ),
+        )
     })
 }
 

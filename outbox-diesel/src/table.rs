@@ -91,9 +91,33 @@ impl OutboxTable {
     }
 
     /// The `LISTEN`/`NOTIFY` channel the recording side wakes the relay on: the table's name
-    /// as written (`outbox`, `billing.outbox`).
+    /// as written (`outbox`, `billing.outbox`) when it fits PostgreSQL's 63-byte channel
+    /// names; a longer name is cut to 46 bytes and followed by `~` and 16 hex digits of its
+    /// MD5, so that the channel always fits and two long names do not share one.
+    ///
+    /// ```
+    /// use outbox_diesel::OutboxTable;
+    ///
+    /// assert_eq!(OutboxTable::DEFAULT.channel(), "outbox");
+    /// let long = OutboxTable::with_schema("s".repeat(40), "t".repeat(30))?;
+    /// assert_eq!(long.channel().len(), 63);
+    /// assert!(long.channel().starts_with(&"s".repeat(40)));
+    /// # Ok::<(), outbox_diesel::InvalidTableName>(())
+    /// ```
     pub fn channel(&self) -> String {
-        self.to_string()
+        const MAX: usize = 63;
+        let full = self.to_string();
+        if full.len() <= MAX {
+            return full;
+        }
+        use md5::Digest;
+        let digest = md5::Md5::digest(full.as_bytes());
+        let hash: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+        let mut cut = MAX - 1 - hash.len();
+        while !full.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        format!("{}~{hash}", &full[..cut])
     }
 
     pub(crate) fn walk_ast(&self, out: &mut AstPass<'_, '_, Pg>) -> QueryResult<()> {
@@ -165,9 +189,18 @@ pub(crate) fn quote_ident(s: &str) -> String {
     format!("\"{}\"", s.replace('"', "\"\""))
 }
 
-/// Quotes `s` as an SQL string literal.
+/// Quotes `s` as an SQL string literal that means `s` whatever the session's
+/// `standard_conforming_strings`: with a backslash in it, an escape string (`E'...'`, as
+/// PostgreSQL's own `quote_literal` writes it), since a plain literal would read `\'` as an
+/// escaped quote when that setting is off. Values go as bind parameters where a statement
+/// takes them; this is for the few statements that cannot (DDL, replication commands).
 pub(crate) fn quote_literal(s: &str) -> String {
-    format!("'{}'", s.replace('\'', "''"))
+    let doubled = s.replace('\'', "''");
+    if s.contains('\\') {
+        format!("E'{}'", doubled.replace('\\', "\\\\"))
+    } else {
+        format!("'{doubled}'")
+    }
 }
 
 #[cfg(test)]
@@ -184,5 +217,20 @@ mod tests {
         assert!("".parse::<OutboxTable>().is_err());
         assert!(".x".parse::<OutboxTable>().is_err());
         assert!("x\"y".parse::<OutboxTable>().is_err());
+    }
+
+    #[test]
+    fn literals_escape_quotes_and_backslashes() {
+        assert_eq!(quote_literal("it's"), "'it''s'");
+        assert_eq!(quote_literal(r"we\'ird"), r"E'we\\''ird'");
+    }
+
+    #[test]
+    fn long_channels_fit_and_differ() {
+        let a = OutboxTable::with_schema("é".repeat(20), "a".repeat(30)).expect("valid");
+        let b = OutboxTable::with_schema("é".repeat(20), "b".repeat(30)).expect("valid");
+        assert!(a.channel().len() <= 63, "{}", a.channel());
+        assert_ne!(a.channel(), b.channel());
+        assert_eq!(a.channel(), a.clone().channel());
     }
 }

@@ -60,7 +60,8 @@ pub struct RelayConfig {
     pub subject_template: SubjectTemplate,
     /// How rows are read.
     pub mode: Mode,
-    /// Partitions of the table (ordered mode; default 1).
+    /// Partitions of the table (ordered mode; default 1, at most
+    /// [`MAX_PARTITIONS`](outbox_diesel::relay::MAX_PARTITIONS), 1,024).
     pub partitions: u32,
     /// Competing workers of this process (unordered mode; default 4).
     pub workers: u32,
@@ -369,9 +370,10 @@ impl RelayConfig {
                 self.stream
             ));
         }
-        if self.partitions == 0 || self.partitions > 1024 {
+        let max = outbox_diesel::relay::MAX_PARTITIONS;
+        if self.partitions == 0 || self.partitions > max {
             return Err(format!(
-                "--partitions {} is out of range 1..=1024",
+                "--partitions {} is out of range 1..={max}: each partition is an advisory lock in PostgreSQL's shared lock table",
                 self.partitions
             ));
         }

@@ -117,6 +117,7 @@ use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, error, info, info_span, warn};
 
+use crate::backoff::Backoff;
 use crate::publish::{AGGREGATE_ID_HEADER, AGGREGATE_TYPE_HEADER, EVENT_TYPE_HEADER};
 
 /// Counter: messages the consumer finished with, by `consumer` and `outcome` (`handled`,
@@ -689,7 +690,7 @@ impl Consumer {
             "outbox consumer started"
         );
         let mut conn = Some(conn);
-        let mut backoff = Backoff::new(cfg.retry_delay, cfg.max_retry_delay);
+        let mut backoff = Backoff::starting(cfg.retry_delay, cfg.max_retry_delay);
         'fetch: while !shutdown.is_cancelled() {
             if conn.is_none() {
                 match outbox_diesel::connect(&cfg.database_url).await {
@@ -790,7 +791,7 @@ impl Consumer {
     ) -> Result<Option<(AsyncPgConnection, PullConsumer)>, ConsumerError> {
         let cfg = &self.config;
         let deadline = Instant::now() + cfg.startup_timeout;
-        let mut backoff = Backoff::new(
+        let mut backoff = Backoff::starting(
             Duration::from_millis(50),
             cfg.max_retry_delay.min(Duration::from_secs(5)),
         );
@@ -1038,38 +1039,6 @@ fn chain(e: &(dyn std::error::Error + 'static)) -> String {
         source = cause.source();
     }
     s
-}
-
-/// Capped exponential backoff between reconnections.
-#[derive(Debug)]
-struct Backoff {
-    first: Duration,
-    next: Duration,
-    cap: Duration,
-}
-
-impl Backoff {
-    fn new(first: Duration, cap: Duration) -> Self {
-        Backoff {
-            first,
-            next: first,
-            cap,
-        }
-    }
-
-    fn reset(&mut self) {
-        self.next = self.first;
-    }
-
-    /// Sleeps for the next delay; `false` when shut down meanwhile.
-    async fn sleep(&mut self, shutdown: &CancellationToken) -> bool {
-        let d = self.next;
-        self.next = (self.next * 2).min(self.cap);
-        tokio::select! {
-            _ = tokio::time::sleep(d) => true,
-            _ = shutdown.cancelled() => false,
-        }
-    }
 }
 
 #[cfg(test)]

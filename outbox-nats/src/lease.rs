@@ -50,6 +50,31 @@ impl Lease {
             .is_some_and(|t| t.elapsed() < self.duration / 2)
     }
 
+    /// Runs `work` while keeping `conn`'s session, and the transaction it may be in, clear of
+    /// the idle timeouts of [`Lease::configure`]: a `SELECT 1` every third of the lease, each
+    /// confirming the lease. A relay that waits for slow acks while it holds claimed rows
+    /// keeps them; a paused relay sends nothing and still loses them after the lease.
+    pub(crate) async fn keep_alive<T>(
+        &self,
+        conn: &mut AsyncPgConnection,
+        work: impl std::future::Future<Output = T>,
+    ) -> diesel::QueryResult<T> {
+        let mut work = std::pin::pin!(work);
+        let every = (self.duration / 3).max(Duration::from_millis(10));
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                out = &mut work => return Ok(out),
+                _ = tick.tick() => {
+                    let started = Instant::now();
+                    conn.batch_execute("SELECT 1").await?;
+                    self.confirm(started);
+                }
+            }
+        }
+    }
+
     /// Sets the session timeouts that end a silent session after the lease.
     pub(crate) async fn configure(&self, conn: &mut AsyncPgConnection) -> diesel::QueryResult<()> {
         let ms = self.duration.as_millis();

@@ -18,6 +18,7 @@
 //! ```
 
 pub mod admin;
+pub mod backoff;
 pub mod cleanup;
 mod config;
 mod connect;

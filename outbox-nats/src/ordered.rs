@@ -231,14 +231,9 @@ impl Ordered {
         let started = Instant::now();
         let members = db::members(conn, &cfg.table).await?;
         holding.pipe.lease().confirm(started);
-        let my_start = members
-            .iter()
-            .find(|m| m.pid == me)
-            .map(|m| m.backend_start);
+        let my_ticket = members.iter().find(|m| m.pid == me).map(|m| m.joined);
         let older_conflict = members.iter().find(|m| {
-            m.partitions != n as i32
-                && my_start.is_some_and(|mine| m.backend_start <= mine)
-                && m.pid != me
+            m.partitions != n as i32 && my_ticket.is_some_and(|mine| m.joined < mine) && m.pid != me
         });
         if let Some(other) = older_conflict {
             if !*warned_conflict {

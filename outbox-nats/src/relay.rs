@@ -13,6 +13,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, error, info, info_span, warn};
 
+pub(crate) use crate::backoff::Backoff;
 use crate::cleanup::Cleanup;
 use crate::metrics as m;
 use crate::ordered::Ordered;
@@ -401,36 +402,6 @@ impl Relay {
                 Ok(Err(e)) => return Err(e.into()),
                 Err(_) => return Err(RelayError::NatsUnavailable(cfg.startup_timeout)),
             }
-        }
-    }
-}
-
-/// Capped exponential backoff: 50 ms, 100 ms, … up to the cap.
-#[derive(Debug)]
-pub(crate) struct Backoff {
-    next: Duration,
-    cap: Duration,
-}
-
-impl Backoff {
-    pub(crate) fn new(cap: Duration) -> Self {
-        Backoff {
-            next: Duration::from_millis(50),
-            cap,
-        }
-    }
-
-    pub(crate) fn reset(&mut self) {
-        self.next = Duration::from_millis(50);
-    }
-
-    /// Sleeps for the next delay; `false` when shut down meanwhile.
-    pub(crate) async fn sleep(&mut self, shutdown: &CancellationToken) -> bool {
-        let d = self.next;
-        self.next = (self.next * 2).min(self.cap);
-        tokio::select! {
-            _ = tokio::time::sleep(d) => true,
-            _ = shutdown.cancelled() => false,
         }
     }
 }

@@ -62,14 +62,13 @@ impl Unordered {
         backoff: &mut Backoff,
     ) -> diesel::QueryResult<()> {
         let cfg = &*self.cfg;
-        let mut lease = Lease::new(cfg.lease);
+        let lease = Lease::new(cfg.lease);
         lease.configure(conn).await?;
         if cfg.listen {
             listen(conn, &cfg.table).await?;
         }
         while !self.shutdown.is_cancelled() {
-            let (js, shutdown, lease, health) =
-                (&self.js, &self.shutdown, &mut lease, &*self.health);
+            let (js, shutdown, lease, health) = (&self.js, &self.shutdown, &lease, &*self.health);
             let end = conn
                 .transaction(async |conn| {
                     let started = Instant::now();
@@ -80,9 +79,11 @@ impl Unordered {
                         return Ok::<_, diesel::result::Error>(None);
                     }
                     let span = info_span!("outbox.batch", batch.len = rows.len());
-                    let (acked, end) = publish_batch(js, cfg, &rows, lease, health, shutdown)
-                        .instrument(span)
-                        .await;
+                    // the rows stay locked by this transaction until the acks are marked:
+                    // slow acks must not let the idle timeout end it and hand them over
+                    let publish =
+                        publish_batch(js, cfg, &rows, lease, health, shutdown).instrument(span);
+                    let (acked, end) = lease.keep_alive(conn, publish).await?;
                     retire(conn, cfg, &acked).await?;
                     Ok(Some(end))
                 })

@@ -451,16 +451,20 @@ async fn connect_nats(
     timeout: Duration,
 ) -> Result<async_nats::Client, outbox_nats::ConnectError> {
     let deadline = tokio::time::Instant::now() + timeout;
-    let mut delay = Duration::from_millis(100);
+    let mut backoff =
+        outbox_nats::backoff::Backoff::starting(Duration::from_millis(100), Duration::from_secs(5));
     loop {
         match options.connect().await {
             Ok(c) => return Ok(c),
-            Err(e) if e.can_heal() && tokio::time::Instant::now() + delay < deadline => {
+            Err(e) if !e.can_heal() => return Err(e),
+            Err(e) => {
+                let delay = backoff.next_delay();
+                if tokio::time::Instant::now() + delay >= deadline {
+                    return Err(e);
+                }
                 tracing::warn!("{e}; retrying");
                 tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(5));
             }
-            Err(e) => return Err(e),
         }
     }
 }
@@ -792,10 +796,12 @@ fn print_operations(status: &Status) {
     println!("relays           {}", status.relays.len());
     for r in &status.relays {
         println!(
-            "  relay          pid {}  partitions {}  since {}",
+            "  relay          pid {}  partitions {}  joined #{}  since {}",
             r.pid,
             r.partitions,
-            r.backend_start.to_rfc3339()
+            r.joined,
+            r.backend_start
+                .map_or_else(|| "(not visible to this role)".into(), |t| t.to_rfc3339())
         );
     }
     if let Some(n) = status.partition_count {
