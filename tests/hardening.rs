@@ -729,3 +729,99 @@ async fn unordered_claim_survives_acks_slower_than_the_lease() {
     );
     assert_eq!(stream.count().await, 21);
 }
+
+// ---------------------------------------------------------------------------------------------
+// 6. long aggregate ids: a subject past the server's control-line limit closes the connection
+
+#[derive(Debug, Clone, serde::Serialize, outbox_diesel::OutboxEvent)]
+#[outbox(aggregate_type = "order", event_type = "order.placed")]
+struct Placed {
+    #[outbox(aggregate_id)]
+    order: String,
+    n: i64,
+}
+
+/// An aggregate id of 1,500 `é` is 9,000 bytes percent-encoded, past the 4 KiB control line of
+/// a default nats-server: `record_event` refuses it, naming the bound; an id at the bound is
+/// accepted and published.
+#[tokio::test]
+async fn a_subject_past_the_documented_bound_is_refused_at_record_time_and_one_at_it_publishes() {
+    use outbox_diesel::{InvalidEvent, MAX_SUBJECT_NAMES_LEN, OutboxExt};
+    let db = TestDb::new();
+    let stream = TestStream::new();
+    let mut conn = db.conn();
+    let long = Placed {
+        order: "é".repeat(1500),
+        n: 1,
+    };
+    let err = conn
+        .transaction(|c| c.record_event(&long))
+        .expect_err("a 9,000-byte subject is refused");
+    let diesel::result::Error::SerializationError(inner) = &err else {
+        panic!("not a refusal: {err}");
+    };
+    let invalid = inner
+        .downcast_ref::<InvalidEvent>()
+        .expect("an InvalidEvent");
+    let text = format!(
+        "{invalid} {}",
+        std::error::Error::source(invalid)
+            .map(|s| s.to_string())
+            .unwrap_or_default()
+    );
+    assert!(text.contains("2048"), "{text}");
+    assert_eq!(db.scalar("SELECT count(*) FROM outbox"), 0);
+
+    // "order" (5) + "order.placed" (12) + the id: exactly the bound
+    let at_bound = Placed {
+        order: "x".repeat(MAX_SUBJECT_NAMES_LEN - 17),
+        n: 2,
+    };
+    conn.transaction(|c| c.record_event(&at_bound))
+        .expect("an id at the bound is accepted");
+    let relay = Relay::start(relay_command(&db, &stream, &["--no-cleanup"]));
+    drained(&db, &relay, Duration::from_secs(30)).await;
+    let got = stream.read_all().await;
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].aggregate_id, at_bound.order);
+}
+
+/// A row written around the library (plain SQL) with that id is parked with a clear error,
+/// instead of closing the connection on every retry; the aggregate after it flows.
+#[tokio::test]
+async fn a_row_whose_subject_is_too_long_is_parked_not_retried_forever() {
+    let db = TestDb::new();
+    let stream = TestStream::new();
+    diesel::sql_query(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES \
+         (gen_random_uuid(), 'order', repeat('é', 1500), 'order.placed', '{\"n\": 1}'), \
+         (gen_random_uuid(), 'order', 'short', 'order.placed', '{\"n\": 2}')",
+    )
+    .execute(&mut db.conn())
+    .expect("insert rows");
+    let relay = Relay::start(relay_command(&db, &stream, &["--no-cleanup"]));
+    let t = Duration::from_secs(30);
+    let start = std::time::Instant::now();
+    while parked(&db) == 0 || stream.count().await < 1 {
+        assert!(
+            start.elapsed() < t,
+            "the long row was not parked (parked {}, in stream {}); relay log:\n{}",
+            parked(&db),
+            stream.count().await,
+            relay.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    #[derive(QueryableByName)]
+    struct E {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        last_error: String,
+    }
+    let e: E = diesel::sql_query("SELECT last_error FROM outbox WHERE parked_at IS NOT NULL")
+        .get_result(&mut db.conn())
+        .expect("the parked row's error");
+    assert!(e.last_error.contains("subject"), "{}", e.last_error);
+    let got = stream.read_all().await;
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].aggregate_id, "short");
+}

@@ -141,3 +141,49 @@ pub fn check_subject_token(name: &str) -> Result<(), TokenError> {
 pub fn check_event_type(name: &str) -> Result<(), TokenError> {
     name.split('.').try_for_each(check_subject_token)
 }
+
+/// The most bytes an event's aggregate type, aggregate id and event type may take in its
+/// subject together, percent-encoded as the relay encodes subject tokens (see
+/// [`subject_names_len`]); [`Outbox::record`](crate::Outbox::record) refuses an event over it.
+///
+/// A NATS server closes the connection of a client that sends a protocol line longer than its
+/// `max_control_line` (4 KiB by default), and a publish's line holds its subject. The relay
+/// refuses subjects over 3,072 bytes and keeps its prefix and template literals within
+/// 1,024, so an event accepted at record time always fits.
+pub const MAX_SUBJECT_NAMES_LEN: usize = 2048;
+
+/// How many bytes `token` takes in a subject once percent-encoded: one for each ASCII letter,
+/// digit, `-`, `_` and `~`, three (`%XX`) for every other byte.
+///
+/// ```
+/// use outbox_diesel::encoded_token_len;
+/// assert_eq!(encoded_token_len("order-42"), 8);
+/// assert_eq!(encoded_token_len("a.b"), 5); // a%2Eb
+/// assert_eq!(encoded_token_len("é"), 6); // %C3%A9
+/// ```
+pub fn encoded_token_len(token: &str) -> usize {
+    token
+        .bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'~') {
+                1
+            } else {
+                3
+            }
+        })
+        .sum()
+}
+
+/// How many bytes an event's names take in its subject: its aggregate type and aggregate id
+/// as one token each, its event type as its `.`-separated tokens, each percent-encoded.
+///
+/// ```
+/// use outbox_diesel::subject_names_len;
+/// // order + 42 + order.placed
+/// assert_eq!(subject_names_len("order", "42", "order.placed"), 5 + 2 + 12);
+/// ```
+pub fn subject_names_len(aggregate_type: &str, aggregate_id: &str, event_type: &str) -> usize {
+    let event: usize = event_type.split('.').map(encoded_token_len).sum();
+    let dots = event_type.split('.').count() - 1;
+    encoded_token_len(aggregate_type) + encoded_token_len(aggregate_id) + event + dots
+}

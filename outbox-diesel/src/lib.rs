@@ -63,7 +63,10 @@ pub mod wal;
 
 #[cfg(feature = "async")]
 pub use connect::{ConnectError, connect};
-pub use event::{OutboxEvent, TokenError, check_event_type, check_subject_token};
+pub use event::{
+    MAX_SUBJECT_NAMES_LEN, OutboxEvent, TokenError, check_event_type, check_subject_token,
+    encoded_token_len, subject_names_len,
+};
 pub use headers::EventHeaders;
 #[cfg(feature = "async")]
 pub use inbox::AsyncInboxExt;

@@ -13,6 +13,7 @@ use diesel::sql_types::{Array, Text, Uuid as SqlUuid};
 use diesel::{Connection, QueryResult, RunQueryDsl};
 use uuid::Uuid;
 
+use crate::event::{MAX_SUBJECT_NAMES_LEN, subject_names_len};
 use crate::headers::HeadersHook;
 use crate::{EventHeaders, OutboxEvent, OutboxTable, check_event_type, check_subject_token};
 
@@ -211,8 +212,9 @@ impl Outbox {
     ///
     /// Refuses with [`DieselError::NotInTransaction`] outside a transaction and with
     /// [`DieselError::SerializationError`] (holding an [`InvalidEvent`]) when the event
-    /// cannot be serialised, its payload is over the limit, or its names are not subject
-    /// tokens. Nothing is written when it refuses.
+    /// cannot be serialised, its payload is over the limit, its names are not subject tokens,
+    /// or they take more than [`MAX_SUBJECT_NAMES_LEN`](crate::MAX_SUBJECT_NAMES_LEN) bytes
+    /// in the subject. Nothing is written when it refuses.
     pub fn record<C, E>(&self, conn: &mut C, event: &E) -> QueryResult<Uuid>
     where
         C: Connection<Backend = Pg>,
@@ -363,6 +365,13 @@ impl Outbox {
             if aggregate_id.contains(['\r', '\n']) {
                 return Err(invalid(Reason::LineBreakInAggregateId));
             }
+            let names = subject_names_len(aggregate_type, &aggregate_id, event.event_type());
+            if names > MAX_SUBJECT_NAMES_LEN {
+                return Err(invalid(Reason::SubjectTooLong {
+                    size: names,
+                    limit: MAX_SUBJECT_NAMES_LEN,
+                }));
+            }
             let payload = serde_json::to_string(event).map_err(|e| invalid(Reason::Json(e)))?;
             if payload.len() > self.max_payload {
                 return Err(invalid(Reason::TooLarge {
@@ -450,6 +459,10 @@ enum Reason {
         "its payload is {size} bytes of JSON, over the outbox's limit of {limit}; store large data elsewhere and record a reference, or raise `Outbox::max_payload` (and the NATS server's max_payload)"
     )]
     TooLarge { size: usize, limit: usize },
+    #[error(
+        "its aggregate type, aggregate id and event type take {size} bytes in the subject once percent-encoded (every byte other than an ASCII letter, digit, `-`, `_` or `~` takes three), over the limit of {limit} (outbox_diesel::MAX_SUBJECT_NAMES_LEN), past which a subject can exceed the NATS server's control-line limit; use a shorter aggregate id, such as a surrogate key or a hash of the natural one"
+    )]
+    SubjectTooLong { size: usize, limit: usize },
     #[error("its aggregate id is empty; every event needs the id of the aggregate it belongs to")]
     EmptyAggregateId,
     #[error(

@@ -364,6 +364,13 @@ impl RelayConfig {
                 self.subject_prefix
             ));
         }
+        let fixed = self.subject_template.fixed_len(&self.subject_prefix);
+        if fixed > crate::subject::MAX_SUBJECT_FIXED_LEN {
+            return Err(format!(
+                "the subject prefix and the template's literal tokens take {fixed} bytes, over the limit of {}: subjects must stay within the NATS server's control line; use a shorter --subject-prefix",
+                crate::subject::MAX_SUBJECT_FIXED_LEN
+            ));
+        }
         if self.stream.is_empty() || self.stream.contains(['.', '*', '>', ' ', '/', '\\']) {
             return Err(format!(
                 "stream name {:?} is not a JetStream stream name (no `.`, `*`, `>`, spaces or slashes)",

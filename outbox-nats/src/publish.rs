@@ -7,7 +7,7 @@ use async_nats::{HeaderMap, HeaderName, HeaderValue};
 use bytes::Bytes;
 use outbox_diesel::relay::OutboxRow;
 
-use crate::subject::{SubjectTemplate, filter_matches};
+use crate::subject::{MAX_SUBJECT_LEN, SubjectTemplate, filter_matches};
 
 /// Header carrying the row's aggregate type.
 pub const AGGREGATE_TYPE_HEADER: &str = "Outbox-Aggregate-Type";
@@ -44,6 +44,17 @@ pub enum InvalidRow {
     /// The `headers` column is not a JSON object.
     #[error("the row's headers are not a JSON object of strings")]
     HeadersNotAnObject,
+    /// The subject is longer than [`MAX_SUBJECT_LEN`]: a NATS server would close the
+    /// connection rather than take it.
+    #[error(
+        "its subject is {len} bytes, over the relay's limit of {limit} (a NATS server closes the connection of a client whose protocol line exceeds its max_control_line, 4 KiB by default); record the event with a shorter aggregate id"
+    )]
+    SubjectTooLong {
+        /// The subject's length in bytes.
+        len: usize,
+        /// [`MAX_SUBJECT_LEN`].
+        limit: usize,
+    },
 }
 
 /// Builds the message of `row` (see the README's publishing contract).
@@ -78,6 +89,12 @@ pub fn to_message(
         &row.aggregate_id,
         &row.event_type,
     );
+    if subject.len() > MAX_SUBJECT_LEN {
+        return Err(InvalidRow::SubjectTooLong {
+            len: subject.len(),
+            limit: MAX_SUBJECT_LEN,
+        });
+    }
     let mut headers = HeaderMap::new();
     if let Some(extra) = row.headers.as_object() {
         for (name, value) in extra {

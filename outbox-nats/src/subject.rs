@@ -18,12 +18,29 @@
 //! | `Zürich` | `Z%C3%BCrich` |
 //!
 //! The raw id travels unencoded in the `Outbox-Aggregate-Id` header.
+//!
+//! # The length bound
+//!
+//! A NATS server closes the connection of a client whose protocol line is longer than its
+//! `max_control_line` (4 KiB by default), and a publish's line holds the subject. So a subject
+//! is at most [`MAX_SUBJECT_LEN`] (3,072) bytes: the recording side refuses an event whose
+//! aggregate type, aggregate id and event type take more than
+//! [`outbox_diesel::MAX_SUBJECT_NAMES_LEN`] (2,048) bytes encoded, the relay refuses a prefix
+//! and template literals of more than 1,024, and a row written around the library with a
+//! longer subject is parked (with the error in `last_error`) instead of being retried.
 
 use std::fmt;
 
 use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, percent_decode_str, utf8_percent_encode};
 
 const TOKEN: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'_').remove(b'~');
+
+/// The longest subject the relay publishes, in bytes (see [the length bound](self#the-length-bound)).
+pub const MAX_SUBJECT_LEN: usize = 3072;
+
+/// The most bytes the prefix, the template's literal tokens and the dots between tokens may
+/// take: what [`MAX_SUBJECT_LEN`] leaves beside the event's names.
+pub const MAX_SUBJECT_FIXED_LEN: usize = MAX_SUBJECT_LEN - outbox_diesel::MAX_SUBJECT_NAMES_LEN;
 
 /// Encodes `value` as one subject token (see the [module documentation](self)).
 ///
@@ -175,6 +192,26 @@ impl SubjectTemplate {
         out
     }
 
+    /// The bytes a subject takes besides the event's names: `prefix`, the literal tokens and
+    /// the dots between tokens (at most [`MAX_SUBJECT_FIXED_LEN`] for a valid configuration).
+    ///
+    /// ```
+    /// use outbox_nats::subject::SubjectTemplate;
+    /// assert_eq!(SubjectTemplate::default().fixed_len("outbox"), "outbox..".len());
+    /// ```
+    pub fn fixed_len(&self, prefix: &str) -> usize {
+        let tokens: usize = self
+            .parts
+            .iter()
+            .map(|p| match p {
+                Part::Literal(l) => l.len(),
+                Part::Prefix => prefix.len(),
+                Part::AggregateType | Part::AggregateId | Part::EventType => 0,
+            })
+            .sum();
+        tokens + self.parts.len() - 1
+    }
+
     /// The aggregate id of a subject this template made, when it has that shape.
     ///
     /// ```
@@ -247,6 +284,30 @@ mod tests {
                 "{s}"
             );
             assert_eq!(t.aggregate_id_of(&s).as_deref(), Some(id));
+        }
+    }
+
+    #[test]
+    fn the_recording_side_measures_names_as_they_are_encoded() {
+        let t = SubjectTemplate::default();
+        for (ty, id, ev) in [
+            ("order", "42", "order.placed"),
+            ("Bestellung", "Zürich 1.2 *>", "bestellung.aufgegeben"),
+            ("order", &"é".repeat(1500), "order.placed"),
+            ("o-_~", "%41\u{7}", "a.b.c"),
+        ] {
+            assert_eq!(outbox_diesel::encoded_token_len(id), encode_token(id).len());
+            let subject = t.render("outbox", ty, id, ev);
+            let names = outbox_diesel::subject_names_len(ty, id, ev);
+            // the default template does not hold the event type
+            let ev_len = outbox_diesel::subject_names_len("", "", ev);
+            assert_eq!(subject.len(), t.fixed_len("outbox") + names - ev_len);
+            let with_event: SubjectTemplate =
+                "{prefix}.{aggregate_type}.{event_type}.{aggregate_id}"
+                    .parse()
+                    .expect("valid");
+            let subject = with_event.render("outbox", ty, id, ev);
+            assert_eq!(subject.len(), with_event.fixed_len("outbox") + names);
         }
     }
 
