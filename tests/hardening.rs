@@ -825,3 +825,77 @@ async fn a_row_whose_subject_is_too_long_is_parked_not_retried_forever() {
     assert_eq!(got.len(), 1);
     assert_eq!(got[0].aggregate_id, "short");
 }
+
+// ---------------------------------------------------------------------------------------------
+// 4. the payload limit measures what is sent: jsonb's rendering and the headers
+
+#[derive(Debug, Clone, serde::Serialize, outbox_diesel::OutboxEvent)]
+#[outbox(aggregate_type = "series", event_type = "series.sampled")]
+struct Sampled {
+    #[outbox(aggregate_id)]
+    id: String,
+    values: Vec<u8>,
+    note: String,
+}
+
+fn refusal(err: &diesel::result::Error) -> &outbox_diesel::InvalidEvent {
+    let diesel::result::Error::SerializationError(inner) = err else {
+        panic!("not a refusal: {err}");
+    };
+    inner
+        .downcast_ref::<outbox_diesel::InvalidEvent>()
+        .expect("an InvalidEvent")
+}
+
+/// 400,000 one-digit integers are 800,001 bytes of compact JSON, under the 1 MiB limit, but
+/// 1,200,000 bytes as jsonb renders them (`[1, 1, ...]`): refused at record time. An event
+/// whose rendering plus headers is exactly the limit is accepted and published by a server
+/// with the default `max_payload`.
+#[tokio::test]
+async fn an_event_accepted_at_record_time_fits_the_servers_max_payload() {
+    use outbox_diesel::{DEFAULT_MAX_PAYLOAD, EventHeaders, message_size};
+    let db = TestDb::new();
+    let stream = TestStream::new();
+    let mut conn = db.conn();
+    let digits = Sampled {
+        id: "s-1".into(),
+        values: vec![1; 400_000],
+        note: String::new(),
+    };
+    let err = conn
+        .transaction(|c| c.record_event(&digits))
+        .expect_err("1,200,000 bytes rendered is over 1 MiB");
+    assert!(refusal(&err).is_too_large(), "{err}");
+    assert_eq!(db.scalar("SELECT count(*) FROM outbox"), 0);
+
+    // a note that brings the message to the limit exactly, then one byte over it
+    let mut at_limit = Sampled {
+        id: "s-2".into(),
+        values: vec![7; 1000],
+        note: String::new(),
+    };
+    let empty = outbox_diesel::jsonb_text(&at_limit).expect("render").len();
+    let base = message_size(
+        empty,
+        "series",
+        "s-2",
+        "series.sampled",
+        &EventHeaders::new(),
+    );
+    at_limit.note = "n".repeat(DEFAULT_MAX_PAYLOAD - base);
+    let mut over = at_limit.clone();
+    over.note.push('n');
+    let err = conn
+        .transaction(|c| c.record_event(&over))
+        .expect_err("one byte over the limit");
+    assert!(refusal(&err).is_too_large(), "{err}");
+    conn.transaction(|c| c.record_event(&at_limit))
+        .expect("exactly at the limit");
+
+    let relay = Relay::start(relay_command(&db, &stream, &["--no-cleanup"]));
+    drained(&db, &relay, Duration::from_secs(30)).await;
+    assert_eq!(parked(&db), 0, "log:\n{}", relay.logs());
+    let got = stream.read_all().await;
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].aggregate_id, "s-2");
+}

@@ -60,6 +60,7 @@ pub mod schema;
 mod table;
 #[cfg(feature = "async")]
 pub mod wal;
+mod wire;
 
 #[cfg(feature = "async")]
 pub use connect::{ConnectError, connect};
@@ -77,6 +78,7 @@ pub use record::{DEFAULT_MAX_PAYLOAD, InvalidEvent, Notify, Outbox, OutboxExt};
 pub use record_async::AsyncOutboxExt;
 pub use schema::{MIGRATIONS, create_table, create_table_sql, run_migrations};
 pub use table::{InvalidTableName, OutboxTable};
+pub use wire::{jsonb_text, message_size};
 
 /// `#[derive(OutboxEvent)]`: see the [`outbox_derive`] crate for its attributes.
 #[cfg(feature = "derive")]

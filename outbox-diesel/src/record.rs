@@ -15,6 +15,7 @@ use uuid::Uuid;
 
 use crate::event::{MAX_SUBJECT_NAMES_LEN, subject_names_len};
 use crate::headers::HeadersHook;
+use crate::wire::{jsonb_text, message_size};
 use crate::{EventHeaders, OutboxEvent, OutboxTable, check_event_type, check_subject_token};
 
 /// NATS's default `max_payload`: the default limit on a recorded payload.
@@ -166,8 +167,11 @@ impl Outbox {
         self
     }
 
-    /// Refuses payloads whose JSON is longer than `bytes` (default 1 MiB, NATS's default
-    /// `max_payload`; keep it at or below your server's).
+    /// Refuses events whose message would be longer than `bytes` (default 1 MiB, NATS's
+    /// default `max_payload`; keep it at or below your server's). What counts is what NATS
+    /// counts: the payload as PostgreSQL renders it from `jsonb` ([`jsonb_text`](crate::jsonb_text):
+    /// `", "` and `": "` separators, numbers in plain decimal) plus the NATS headers the relay
+    /// sends ([`message_size`](crate::message_size)).
     pub fn max_payload(mut self, bytes: usize) -> Self {
         self.max_payload = bytes;
         self
@@ -372,10 +376,17 @@ impl Outbox {
                     limit: MAX_SUBJECT_NAMES_LEN,
                 }));
             }
-            let payload = serde_json::to_string(event).map_err(|e| invalid(Reason::Json(e)))?;
-            if payload.len() > self.max_payload {
+            let payload = jsonb_text(event).map_err(|e| invalid(Reason::Json(e)))?;
+            let size = message_size(
+                payload.len(),
+                aggregate_type,
+                &aggregate_id,
+                event.event_type(),
+                headers.as_ref(),
+            );
+            if size > self.max_payload {
                 return Err(invalid(Reason::TooLarge {
-                    size: payload.len(),
+                    size,
                     limit: self.max_payload,
                 }));
             }
@@ -456,7 +467,7 @@ impl InvalidEvent {
 #[derive(Debug, thiserror::Error)]
 enum Reason {
     #[error(
-        "its payload is {size} bytes of JSON, over the outbox's limit of {limit}; store large data elsewhere and record a reference, or raise `Outbox::max_payload` (and the NATS server's max_payload)"
+        "its message is {size} bytes (the JSON as PostgreSQL renders it from jsonb, plus the NATS headers the relay sends), over the outbox's limit of {limit}; store large data elsewhere and record a reference, or raise `Outbox::max_payload` (and the NATS server's max_payload)"
     )]
     TooLarge { size: usize, limit: usize },
     #[error(

@@ -254,3 +254,58 @@ pub async fn ensure_stream(
         Err(e) => Err(js_err(e.into())),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The bytes NATS counts against `max_payload`: the header block as async-nats writes it
+    /// (`NATS/1.0`, each `Name: value`, line ends) plus the payload.
+    fn wire_size(msg: &OutboxMessage) -> usize {
+        let lines: usize = msg
+            .headers
+            .iter()
+            .map(|(k, vs)| {
+                vs.iter()
+                    .map(|v| k.to_string().len() + 2 + v.as_str().len() + 2)
+                    .sum::<usize>()
+            })
+            .sum();
+        "NATS/1.0\r\n".len() + lines + "\r\n".len() + msg.payload.len()
+    }
+
+    #[test]
+    fn the_recording_side_measures_the_message_the_relay_sends() {
+        let headers = outbox_diesel::EventHeaders::traceparent("00-abc")
+            .with("Content-Type", "text/plain")
+            .with("tenant", "Zürich");
+        let payload = outbox_diesel::jsonb_text(&serde_json::json!({"n": [1, 2.5e-3], "s": "é"}))
+            .expect("render");
+        let row = OutboxRow {
+            seq: 1,
+            id: uuid::Uuid::now_v7(),
+            aggregate_type: "order".into(),
+            aggregate_id: "a.1 é".into(),
+            event_type: "order.placed".into(),
+            payload: outbox_diesel::RawJson::new(payload.clone()).expect("json"),
+            headers: headers
+                .iter()
+                .map(|(k, v)| (k.to_owned(), serde_json::Value::from(v)))
+                .collect::<serde_json::Map<_, _>>()
+                .into(),
+            created_at: chrono::Utc::now(),
+            attempts: 0,
+        };
+        let msg = to_message(&row, &SubjectTemplate::default(), "outbox").expect("message");
+        assert_eq!(
+            wire_size(&msg),
+            outbox_diesel::message_size(
+                payload.len(),
+                &row.aggregate_type,
+                &row.aggregate_id,
+                &row.event_type,
+                &headers
+            )
+        );
+    }
+}
