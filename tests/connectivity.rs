@@ -13,7 +13,9 @@ use outbox_diesel::{OutboxEvent, OutboxExt};
 use outbox_nats::NatsOptions;
 use outbox_nats::consumer::{Consumer, ConsumerConfig, Delivery};
 use serde::{Deserialize, Serialize};
-use support::servers::NatsCluster;
+use std::process::Command;
+
+use support::servers::{NatsCluster, PgCluster, TestCerts};
 use support::{Proc, TestDb, TestStream, relay_command, wait_until};
 use tokio_util::sync::CancellationToken;
 
@@ -91,7 +93,7 @@ fn relay_refuses_a_seed_list_with_a_bad_url_at_once() {
         relay_command(&db, &stream, &[]).stderr(std::process::Stdio::piped()),
     );
     let code = relay.wait_exit(Duration::from_secs(10));
-    assert_eq!(code, Some(1), "exits at once with a configuration error");
+    assert_eq!(code, Some(2), "exits at once with a configuration error");
     let mut err = String::new();
     use std::io::Read;
     relay
@@ -104,5 +106,166 @@ fn relay_refuses_a_seed_list_with_a_bad_url_at_once() {
     assert!(
         err.contains("nats://b:notaport") && err.contains("comma-separated"),
         "names the bad seed and the form: {err}"
+    );
+}
+
+/// A relay of `mode` over `url` until the stream holds the events recorded after it started.
+async fn relays_over(db: &TestDb, url: &str, mode: &str) {
+    let stream = TestStream::new();
+    let slot = format!("tls_{}", uuid::Uuid::now_v7().simple());
+    let mut args = vec!["--mode", mode];
+    if mode == "log-tailing" {
+        args.extend(["--slot", &slot]);
+    }
+    let mut cmd = relay_command(db, &stream, &args);
+    cmd.env("DATABASE_URL", url);
+    let _relay = Proc::spawn("outbox-relay", &mut cmd);
+    if mode == "log-tailing" {
+        wait_until(TIMEOUT, "the relay reading its slot", || async {
+            db.scalar(&format!(
+                "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{slot}' AND active"
+            )) == 1
+        })
+        .await;
+    }
+    let before = stream.count().await;
+    record(db, 0, 10);
+    wait_until(
+        TIMEOUT,
+        &format!("10 events relayed over TLS ({mode})"),
+        || async { stream.count().await == before + 10 },
+    )
+    .await;
+}
+
+/// `outbox-relay` run against `url` with a short start-up timeout: its exit code and stderr.
+fn relay_refused(url: &str) -> (Option<i32>, String) {
+    let stream = TestStream::new();
+    let out = Command::new(support::relay_bin())
+        .arg("run")
+        .env_clear()
+        .env("RUST_LOG", "error")
+        .env("DATABASE_URL", url)
+        .env("NATS_URL", &stream.nats_url)
+        .args(["--stream", &stream.name, "--subject-prefix", &stream.prefix])
+        .args(["--startup-timeout", "2s"])
+        .output()
+        .expect("run outbox-relay");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_relay_mode_relays_over_tls_verified_against_the_test_ca() {
+    let certs = TestCerts::make();
+    let cluster = PgCluster::start_tls(&certs);
+    for mode in ["ordered", "unordered", "log-tailing"] {
+        let db = TestDb::on(&cluster.base_url());
+        let url = format!(
+            "postgres://postgres@localhost:{}/{}?sslmode=verify-full&sslrootcert={}",
+            cluster.port,
+            db.name,
+            certs.ca.display()
+        );
+        relays_over(&db, &url, mode).await;
+        // the key=value form, and the operating commands
+        let kv = format!(
+            "host=localhost port={} user=postgres dbname={} sslmode=verify-ca sslrootcert='{}'",
+            cluster.port,
+            db.name,
+            certs.ca.display()
+        );
+        let status = Command::new(support::relay_bin())
+            .env_clear()
+            .env("DATABASE_URL", &kv)
+            .args(["status", "--json"])
+            .output()
+            .expect("run outbox-relay status");
+        assert!(
+            status.status.success(),
+            "status over TLS: {}",
+            String::from_utf8_lossy(&status.stderr)
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_certificate_authenticates_the_relay() {
+    let certs = TestCerts::make();
+    let cluster = PgCluster::start_tls(&certs);
+    let db = TestDb::on(&cluster.base_url());
+    diesel::sql_query("CREATE ROLE tlsclient LOGIN SUPERUSER")
+        .execute(&mut db.conn())
+        .expect("create the role");
+    let url = format!(
+        "postgres://tlsclient@localhost:{}/{}?sslmode=verify-full&sslrootcert={}&sslcert={}&sslkey={}",
+        cluster.port,
+        db.name,
+        certs.ca.display(),
+        certs.client_cert.display(),
+        certs.client_key.display()
+    );
+    relays_over(&db, &url, "ordered").await;
+    let without = format!(
+        "postgres://tlsclient@localhost:{}/{}?sslmode=verify-full&sslrootcert={}",
+        cluster.port,
+        db.name,
+        certs.ca.display()
+    );
+    let (code, err) = relay_refused(&without);
+    assert_ne!(code, Some(0), "no client certificate, no connection");
+    assert!(err.contains("certificate"), "says why: {err}");
+}
+
+#[test]
+fn verify_full_refuses_a_server_certificate_for_another_host_name() {
+    let certs = TestCerts::make();
+    let cluster = PgCluster::start_tls(&certs);
+    let db = TestDb::on(&cluster.base_url());
+    // the certificate names localhost, not 127.0.0.1
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{}/{}?sslmode=verify-full&sslrootcert={}",
+        cluster.port,
+        db.name,
+        certs.ca.display()
+    );
+    let (code, err) = relay_refused(&url);
+    assert!(matches!(code, Some(c) if c != 0), "refused: {err}");
+    assert!(
+        err.contains("not valid for name") && err.contains("sslrootcert"),
+        "names the mismatch and what to check: {err}"
+    );
+    // another CA than the server's
+    let other = TestCerts::make();
+    let url = format!(
+        "postgres://postgres@localhost:{}/{}?sslmode=verify-ca&sslrootcert={}",
+        cluster.port,
+        db.name,
+        other.ca.display()
+    );
+    let (code, err) = relay_refused(&url);
+    assert!(matches!(code, Some(c) if c != 0), "refused: {err}");
+    assert!(
+        err.contains("invalid peer certificate"),
+        "says the certificate is not the CA's: {err}"
+    );
+}
+
+#[test]
+fn tls_only_server_refuses_plaintext() {
+    let certs = TestCerts::make();
+    let cluster = PgCluster::start_tls(&certs);
+    let db = TestDb::on(&cluster.base_url());
+    let url = format!(
+        "postgres://postgres@localhost:{}/{}?sslmode=disable",
+        cluster.port, db.name
+    );
+    let (code, err) = relay_refused(&url);
+    assert!(matches!(code, Some(c) if c != 0), "refused: {err}");
+    assert!(
+        err.contains("no encryption") && err.contains("sslmode"),
+        "says that the server wants TLS: {err}"
     );
 }

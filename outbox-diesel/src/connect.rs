@@ -1,10 +1,20 @@
-//! Opening an async connection: [`connect`] keeps the server's reason for a failure and says
-//! whether retrying can help.
+//! Opening an async connection: [`connect`] is the one place the outbox opens one (the
+//! relay in every mode, the consumer helper, the operating commands). It reads libpq's
+//! settings, TLS included ([`PgConnectOptions`]), keeps the server's reason for a failure and
+//! says whether retrying can help. [`establish`] is the same for an application's own pools.
 
 use std::error::Error as _;
+use std::future::Future;
 
 use diesel_async::AsyncPgConnection;
+use tokio_postgres::Socket;
 use tokio_postgres::error::SqlState;
+use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
+
+use crate::options::{InvalidUrl, PgConnectOptions};
+
+/// What to check when the TLS handshake fails on the server's certificate.
+const TLS_FIX: &str = "check sslrootcert (the CA that signed the server's certificate) and that the host in the URL is a name the certificate holds (sslmode=verify-full); sslcert and sslkey for a client certificate";
 
 /// Why a connection to PostgreSQL could not be opened.
 ///
@@ -49,6 +59,13 @@ impl ConnectError {
                 c if *c == SqlState::INVALID_CATALOG_NAME => Some(
                     "the database does not exist: create it, or name an existing one in the URL",
                 ),
+                c if *c == SqlState::INVALID_AUTHORIZATION_SPECIFICATION
+                    && db.message().contains("no encryption") =>
+                {
+                    Some(
+                        "the server accepts TLS connections only: add sslmode=verify-full and sslrootcert=<the server's CA> to the URL",
+                    )
+                }
                 c if *c == SqlState::INVALID_PASSWORD
                     || *c == SqlState::INVALID_AUTHORIZATION_SPECIFICATION =>
                 {
@@ -74,14 +91,25 @@ impl ConnectError {
         // not parse, a missing password, a failed authentication or TLS set-up cannot
         let mut chain = e.to_string();
         let mut io = None;
+        let mut certificate = false;
         let mut source = e.source();
         while let Some(s) = source {
             chain.push_str(": ");
             chain.push_str(&s.to_string());
             if let Some(e) = s.downcast_ref::<std::io::Error>() {
                 io = Some(e.to_string());
+                // the TLS handshake refused the peer: retrying cannot change the certificate
+                certificate |= e.get_ref().is_some_and(|inner| inner.is::<rustls::Error>());
             }
             source = s.source();
+        }
+        if certificate {
+            return ConnectError {
+                reason: format!("{at}{chain}"),
+                sqlstate: None,
+                heals: false,
+                fix: Some(TLS_FIX),
+            };
         }
         let heals = io.is_some() || e.is_closed();
         ConnectError {
@@ -93,12 +121,32 @@ impl ConnectError {
             },
             sqlstate: None,
             heals,
-            fix: (!heals).then_some(
-                "give a PostgreSQL URL (postgres://USER[:PASSWORD]@HOST[:PORT]/DATABASE) or key=value pairs (host=... user=... dbname=...)",
-            ),
+            fix: (!heals).then_some(URL_FIX),
         }
     }
 }
+
+impl ConnectError {
+    pub(crate) fn invalid_url(e: InvalidUrl) -> Self {
+        ConnectError {
+            reason: e.to_string(),
+            sqlstate: None,
+            heals: false,
+            fix: Some(URL_FIX),
+        }
+    }
+
+    pub(crate) fn tls_setup(reason: String) -> Self {
+        ConnectError {
+            reason,
+            sqlstate: None,
+            heals: false,
+            fix: Some(TLS_FIX),
+        }
+    }
+}
+
+const URL_FIX: &str = "give a PostgreSQL URL (postgres://USER[:PASSWORD]@HOST[:PORT]/DATABASE) or key=value pairs (host=... user=... dbname=...)";
 
 /// Whether a server's refusal with `code` may pass: connection exceptions (class 08),
 /// insufficient resources (class 53: too many connections, out of memory or disk), a server
@@ -150,12 +198,26 @@ fn server_at(config: &tokio_postgres::Config) -> String {
 /// # Ok(()) }
 /// ```
 pub async fn connect(database_url: &str) -> Result<AsyncPgConnection, ConnectError> {
-    let config: tokio_postgres::Config = database_url
-        .parse()
-        .map_err(|e: tokio_postgres::Error| ConnectError::from_postgres(&e, ""))?;
-    let at = server_at(&config);
+    PgConnectOptions::parse(database_url)
+        .map_err(ConnectError::invalid_url)?
+        .connect()
+        .await
+}
+
+/// Opens a connection with `config` over `tls`.
+pub(crate) async fn open<T>(
+    config: &tokio_postgres::Config,
+    tls: T,
+) -> Result<AsyncPgConnection, ConnectError>
+where
+    T: MakeTlsConnect<Socket>,
+    T::Stream: Send + 'static,
+    T::TlsConnect: Send,
+    <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+{
+    let at = server_at(config);
     let (client, connection) = config
-        .connect(tokio_postgres::NoTls)
+        .connect(tls)
         .await
         .map_err(|e| ConnectError::from_postgres(&e, &at))?;
     AsyncPgConnection::try_from_client_and_connection(client, connection)
@@ -166,6 +228,36 @@ pub async fn connect(database_url: &str) -> Result<AsyncPgConnection, ConnectErr
             heals: true,
             fix: None,
         })
+}
+
+/// [`connect`] for code that wants Diesel's error type: a drop-in for
+/// `AsyncPgConnection::establish` with the same settings (TLS included), and the connection
+/// builder of an application's own pool, so that its connections read them too:
+///
+/// ```no_run
+/// use diesel_async::AsyncPgConnection;
+/// use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfig};
+///
+/// let mut config = ManagerConfig::default();
+/// config.custom_setup = Box::new(outbox_diesel::establish);
+/// let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new_with_config(
+///     "postgres://app@db.example.com/app?sslmode=verify-full&sslrootcert=/etc/ssl/db-ca.pem",
+///     config,
+/// );
+/// # let _ = manager;
+/// ```
+pub fn establish(
+    database_url: &str,
+) -> std::pin::Pin<Box<dyn Future<Output = diesel::ConnectionResult<AsyncPgConnection>> + Send + '_>>
+{
+    Box::pin(async move {
+        connect(database_url).await.map_err(|e| {
+            diesel::ConnectionError::BadConnection(match e.fix() {
+                Some(fix) => format!("{e}; {fix}"),
+                None => e.to_string(),
+            })
+        })
+    })
 }
 
 #[cfg(test)]

@@ -10,8 +10,9 @@
 //!   definition;
 //! - [`relay`] (feature `async`) is the relay's database side: claim, mark, leases;
 //! - [`wal`] (feature `async`) is log tailing's: the slot, the publication, reading the WAL;
-//! - [`connect`] (feature `async`) opens an async connection whose failure says whether it
-//!   can heal.
+//! - [`connect`] (feature `async`) opens an async connection with libpq's settings, TLS
+//!   included ([`PgConnectOptions`]), whose failure says whether it can heal; [`establish`] is
+//!   the same for an application's own pools.
 //!
 //! ```
 //! use diesel::prelude::*;
@@ -51,6 +52,8 @@ mod event;
 pub mod headers;
 pub mod inbox;
 mod json;
+#[cfg(feature = "async")]
+mod options;
 mod record;
 #[cfg(feature = "async")]
 mod record_async;
@@ -63,7 +66,7 @@ pub mod wal;
 mod wire;
 
 #[cfg(feature = "async")]
-pub use connect::{ConnectError, connect};
+pub use connect::{ConnectError, connect, establish};
 pub use event::{
     MAX_SUBJECT_NAMES_LEN, OutboxEvent, TokenError, check_event_type, check_subject_token,
     encoded_token_len, subject_names_len,
@@ -73,6 +76,8 @@ pub use headers::EventHeaders;
 pub use inbox::AsyncInboxExt;
 pub use inbox::{Inbox, InboxExt};
 pub use json::RawJson;
+#[cfg(feature = "async")]
+pub use options::{InvalidUrl, PgConnectOptions, SslMode};
 pub use record::{DEFAULT_MAX_PAYLOAD, InvalidEvent, Notify, Outbox, OutboxExt};
 #[cfg(feature = "async")]
 pub use record_async::AsyncOutboxExt;

@@ -343,6 +343,7 @@ struct StreamConfig {
     user: String,
     password: String,
     database: String,
+    tls: pgwire_replication::TlsConfig,
     wait: Duration,
 }
 
@@ -442,7 +443,8 @@ impl WalReader {
     }
 
     /// Reads through a replication connection of its own to `database_url` (a URL or
-    /// `key=value` string, as `DATABASE_URL`; TLS is not used) instead of SQL calls: each
+    /// `key=value` string, as `DATABASE_URL`, with its TLS settings: see
+    /// [`connect`](crate::connect); the first host of several) instead of SQL calls: each
     /// [`WalReader::read`] then waits up to `wait` for a transaction, returns as soon as one
     /// arrives, and [`WalReader::advance`] reports the position to the server (within a
     /// second; [`WalReader::close`] makes it exact). The role needs `REPLICATION`, as for the
@@ -463,9 +465,8 @@ impl WalReader {
             slot: self.slot.clone(),
             reason: format!("cannot use the database URL for replication: {reason}"),
         };
-        let config: tokio_postgres::Config = database_url
-            .parse()
-            .map_err(|e: tokio_postgres::Error| bad(e.to_string()))?;
+        let opts = crate::PgConnectOptions::parse(database_url).map_err(|e| bad(e.reason))?;
+        let config = opts.config();
         let host = match config.get_hosts().first() {
             Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
             Some(tokio_postgres::config::Host::Unix(p)) => p.display().to_string(),
@@ -488,6 +489,7 @@ impl WalReader {
             user,
             password,
             database,
+            tls: opts.replication_tls(),
             wait,
         });
         Ok(self)
@@ -1080,6 +1082,7 @@ impl WalReader {
             self.publication.clone(),
         )
         .with_port(cfg.port)
+        .with_tls(cfg.tls.clone())
         .with_start_lsn(pgwire_replication::Lsn(self.acked.0))
         .with_ack_lsn(pgwire_replication::Lsn(self.acked.0))
         .with_status_interval(Duration::from_secs(1))

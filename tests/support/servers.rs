@@ -104,6 +104,71 @@ pub struct PgCluster {
     pub port: u16,
     pub dir: PathBuf,
     running: bool,
+    tls: bool,
+}
+
+/// Certificates made for a test: a CA, a server certificate naming `localhost` only (not
+/// `127.0.0.1`), and a client certificate for the role `tlsclient`; PEM files in a temp dir
+/// removed on `Drop`.
+pub struct TestCerts {
+    pub dir: PathBuf,
+    pub ca: PathBuf,
+    pub server_cert: PathBuf,
+    pub server_key: PathBuf,
+    pub client_cert: PathBuf,
+    pub client_key: PathBuf,
+}
+
+impl TestCerts {
+    pub fn make() -> Self {
+        use rcgen::{
+            BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair,
+            KeyUsagePurpose,
+        };
+        let dir =
+            std::env::temp_dir().join(format!("outbox-certs-{}", uuid::Uuid::now_v7().simple()));
+        std::fs::create_dir_all(&dir).expect("certs temp dir");
+        let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca_params
+            .distinguished_name
+            .push(DnType::CommonName, "outbox test CA");
+        ca_params.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::CrlSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
+        let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().expect("CA key"))
+            .expect("CA certificate");
+        let leaf = |names: Vec<String>, cn: &str| {
+            let key = KeyPair::generate().expect("key");
+            let mut params = CertificateParams::new(names).expect("params");
+            params.distinguished_name.push(DnType::CommonName, cn);
+            let cert = params.signed_by(&key, &ca).expect("sign");
+            (cert.pem(), key.serialize_pem())
+        };
+        let (server_cert, server_key) = leaf(vec!["localhost".into()], "localhost");
+        let (client_cert, client_key) = leaf(Vec::new(), "tlsclient");
+        let write = |name: &str, text: &str| {
+            let path = dir.join(name);
+            std::fs::write(&path, text).expect("write a certificate");
+            path
+        };
+        TestCerts {
+            ca: write("ca.crt", &ca.pem()),
+            server_cert: write("server.crt", &server_cert),
+            server_key: write("server.key", &server_key),
+            client_cert: write("client.crt", &client_cert),
+            client_key: write("client.key", &client_key),
+            dir,
+        }
+    }
+}
+
+impl Drop for TestCerts {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 fn pg_bindir() -> PathBuf {
@@ -132,6 +197,43 @@ fn as_postgres(bin: &str) -> Command {
 
 impl PgCluster {
     pub fn start() -> Self {
+        let mut c = Self::init();
+        c.restart();
+        c
+    }
+
+    /// A cluster that accepts TLS connections only (`ssl = on` with `certs`' server
+    /// certificate; `pg_hba.conf`: `hostssl` lines alone, trust for every role but
+    /// `tlsclient`, which authenticates with its client certificate).
+    pub fn start_tls(certs: &TestCerts) -> Self {
+        let mut c = Self::init();
+        let data = c.dir.join("data");
+        for (from, to) in [
+            (&certs.server_cert, "server.crt"),
+            (&certs.server_key, "server.key"),
+            (&certs.ca, "ca.crt"),
+        ] {
+            std::fs::copy(from, data.join(to)).expect("copy a certificate");
+            let _ = Command::new("chown")
+                .arg("postgres:postgres")
+                .arg(data.join(to))
+                .status();
+            let _ = Command::new("chmod").arg("600").arg(data.join(to)).status();
+        }
+        std::fs::write(
+            data.join("pg_hba.conf"),
+            "local all all trust\n\
+             hostssl all tlsclient 127.0.0.1/32 cert\n\
+             hostssl all all 127.0.0.1/32 trust\n\
+             hostssl replication all 127.0.0.1/32 trust\n",
+        )
+        .expect("write pg_hba.conf");
+        c.tls = true;
+        c.restart();
+        c
+    }
+
+    fn init() -> Self {
         let dir = std::env::temp_dir().join(format!("outbox-pg-{}", uuid::Uuid::now_v7().simple()));
         std::fs::create_dir_all(&dir).expect("pg temp dir");
         let _ = Command::new("chown")
@@ -145,13 +247,12 @@ impl PgCluster {
             .status()
             .expect("initdb");
         assert!(ok.success(), "initdb failed");
-        let mut c = PgCluster {
+        PgCluster {
             port: free_port(),
             dir,
             running: false,
-        };
-        c.restart();
-        c
+            tls: false,
+        }
     }
 
     pub fn base_url(&self) -> String {
@@ -160,11 +261,16 @@ impl PgCluster {
 
     pub fn restart(&mut self) {
         self.stop();
-        let opts = format!(
+        let mut opts = format!(
             "-p {} -c listen_addresses=127.0.0.1 -c unix_socket_directories={} -c fsync=off -c wal_level=logical",
             self.port,
             self.dir.display()
         );
+        if self.tls {
+            opts.push_str(
+                " -c ssl=on -c ssl_cert_file=server.crt -c ssl_key_file=server.key -c ssl_ca_file=ca.crt",
+            );
+        }
         let ok = as_postgres("pg_ctl")
             .args(["-w", "-t", "30", "-D"])
             .arg(self.dir.join("data"))
