@@ -15,7 +15,7 @@ use outbox_nats::consumer::{Consumer, ConsumerConfig, Delivery};
 use serde::{Deserialize, Serialize};
 use std::process::Command;
 
-use support::servers::{NatsCluster, PgCluster, TestCerts};
+use support::servers::{NatsCluster, NatsServer, PgCluster, TestCerts};
 use support::{Proc, TestDb, TestStream, relay_command, wait_until};
 use tokio_util::sync::CancellationToken;
 
@@ -140,15 +140,22 @@ async fn relays_over(db: &TestDb, url: &str, mode: &str) {
 
 /// `outbox-relay` run against `url` with a short start-up timeout: its exit code and stderr.
 fn relay_refused(url: &str) -> (Option<i32>, String) {
-    let stream = TestStream::new();
+    relay_refused_with(url, &support::nats_url(), &[])
+}
+
+/// `outbox-relay` run against `db_url` and `nats_url` with a short start-up timeout and
+/// `args`: its exit code and stderr.
+fn relay_refused_with(db_url: &str, nats_url: &str, args: &[&str]) -> (Option<i32>, String) {
+    let stream = TestStream::on(nats_url);
     let out = Command::new(support::relay_bin())
         .arg("run")
         .env_clear()
         .env("RUST_LOG", "error")
-        .env("DATABASE_URL", url)
-        .env("NATS_URL", &stream.nats_url)
+        .env("DATABASE_URL", db_url)
+        .env("NATS_URL", nats_url)
         .args(["--stream", &stream.name, "--subject-prefix", &stream.prefix])
         .args(["--startup-timeout", "2s"])
+        .args(args)
         .output()
         .expect("run outbox-relay");
     (
@@ -268,4 +275,87 @@ fn tls_only_server_refuses_plaintext() {
         err.contains("no encryption") && err.contains("sslmode"),
         "says that the server wants TLS: {err}"
     );
+}
+
+/// A client of a TLS-only server, trusting the test CA, with the client certificate.
+async fn tls_client(server: &NatsServer, certs: &TestCerts) -> async_nats::Client {
+    outbox_diesel::ensure_crypto_provider();
+    async_nats::ConnectOptions::new()
+        .require_tls(true)
+        .add_root_certificates(certs.ca.clone())
+        .add_client_certificate(certs.client_cert.clone(), certs.client_key.clone())
+        .connect(format!("tls://localhost:{}", server.port))
+        .await
+        .expect("a TLS client")
+}
+
+async fn stream_count(client: &async_nats::Client, stream: &str) -> u64 {
+    let js = async_nats::jetstream::new(client.clone());
+    match js.get_stream(stream).await {
+        Ok(mut s) => s.info().await.map(|i| i.state.messages).unwrap_or(0),
+        Err(_) => 0,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_publishes_over_tls_and_mutual_tls_to_nats() {
+    let certs = TestCerts::make();
+    for verify in [false, true] {
+        let server = NatsServer::start_tls(&certs, verify);
+        let db = TestDb::new();
+        let stream = TestStream::on(&format!("tls://localhost:{}", server.port));
+        let ca = certs.ca.display().to_string();
+        let (cert, key) = (
+            certs.client_cert.display().to_string(),
+            certs.client_key.display().to_string(),
+        );
+        let mut args = vec!["--nats-tls-required", "--nats-tls-ca", &ca];
+        if verify {
+            args.extend(["--nats-tls-cert", &cert, "--nats-tls-key", &key]);
+        }
+        record(&db, 0, 10);
+        let _relay = Proc::spawn("outbox-relay", &mut relay_command(&db, &stream, &args));
+        let client = tls_client(&server, &certs).await;
+        wait_until(TIMEOUT, "10 events relayed over TLS", || async {
+            stream_count(&client, &stream.name).await == 10
+        })
+        .await;
+    }
+}
+
+#[test]
+fn nats_requiring_client_certificates_refuses_a_relay_without_one() {
+    let certs = TestCerts::make();
+    let server = NatsServer::start_tls(&certs, true);
+    let db = TestDb::new();
+    let ca = certs.ca.display().to_string();
+    let nats = format!("tls://localhost:{}", server.port);
+    let (code, err) = relay_refused_with(
+        &db.url,
+        &nats,
+        &["--nats-tls-required", "--nats-tls-ca", &ca],
+    );
+    assert!(matches!(code, Some(c) if c != 0), "refused: {err}");
+    assert!(err.contains("cannot connect to NATS"), "says so: {err}");
+    // and a CA that did not sign the server's certificate
+    let other = TestCerts::make();
+    let ca = other.ca.display().to_string();
+    let (cert, key) = (
+        certs.client_cert.display().to_string(),
+        certs.client_key.display().to_string(),
+    );
+    let (code, err) = relay_refused_with(
+        &db.url,
+        &nats,
+        &[
+            "--nats-tls-required",
+            "--nats-tls-ca",
+            &ca,
+            "--nats-tls-cert",
+            &cert,
+            "--nats-tls-key",
+            &key,
+        ],
+    );
+    assert!(matches!(code, Some(c) if c != 0), "refused: {err}");
 }

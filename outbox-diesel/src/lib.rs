@@ -77,7 +77,7 @@ pub use inbox::AsyncInboxExt;
 pub use inbox::{Inbox, InboxExt};
 pub use json::RawJson;
 #[cfg(feature = "async")]
-pub use options::{InvalidUrl, PgConnectOptions, SslMode};
+pub use options::{InvalidUrl, PgConnectOptions, SslMode, ensure_crypto_provider};
 pub use record::{DEFAULT_MAX_PAYLOAD, InvalidEvent, Notify, Outbox, OutboxExt};
 #[cfg(feature = "async")]
 pub use record_async::AsyncOutboxExt;

@@ -22,6 +22,19 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio_postgres::Socket;
 use tokio_postgres::tls::{ChannelBinding, MakeTlsConnect, TlsConnect, TlsStream};
 
+/// Makes ring the process's rustls crypto provider unless one is installed already (an
+/// application's own choice stays). The dependency tree enables both of rustls's providers
+/// (ring and aws-lc-rs), so rustls cannot pick one by itself, and clients that use the
+/// process's provider (the NATS client's TLS, the replication connection's) would panic.
+/// The relay calls it before opening TLS connections; an application that opens its own
+/// before using the outbox calls it first, or installs a provider itself.
+pub fn ensure_crypto_provider() {
+    if CryptoProvider::get_default().is_none() {
+        // another thread may win the race: its provider is as good
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
+}
+
 /// libpq's `sslmode`: whether TLS is used, and what of the server's certificate is checked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
@@ -192,6 +205,7 @@ impl PgConnectOptions {
     /// Opens a connection, with TLS as `sslmode` says; a failure says whether it
     /// [can heal](ConnectError::can_heal).
     pub async fn connect(&self) -> Result<AsyncPgConnection, ConnectError> {
+        ensure_crypto_provider();
         if self.ssl_mode == SslMode::Disable {
             return crate::connect::open(&self.config, tokio_postgres::NoTls).await;
         }

@@ -1047,6 +1047,7 @@ impl WalReader {
         loop {
             let config = self.replication_config(cfg);
             let started = async {
+                crate::ensure_crypto_provider();
                 let mut client = pgwire_replication::ReplicationClient::connect(config).await?;
                 client.wait_started().await?;
                 Ok::<_, pgwire_replication::PgWireError>(client)
@@ -1114,6 +1115,7 @@ impl WalReader {
         let Some(cfg) = &self.streaming else {
             return Ok(());
         };
+        crate::ensure_crypto_provider();
         let mut client =
             pgwire_replication::ReplicationClient::connect_gated(self.replication_config(cfg))
                 .await

@@ -195,6 +195,8 @@ impl NatsOptions {
     /// Connects. The client notices a dead connection within seconds (short ping interval)
     /// and reconnects on its own afterwards.
     pub async fn connect(&self) -> Result<async_nats::Client, ConnectError> {
+        // TLS needs a process-wide rustls provider, which the build cannot pick by itself
+        outbox_diesel::ensure_crypto_provider();
         let mut opts = async_nats::ConnectOptions::new()
             .ping_interval(Duration::from_secs(5))
             .connection_timeout(Duration::from_secs(5))

@@ -20,6 +20,8 @@ pub struct NatsServer {
     pub port: u16,
     pub dir: PathBuf,
     proc: Option<Proc>,
+    /// `--tls ...` arguments, for a server that speaks TLS only.
+    tls: Vec<String>,
 }
 
 impl NatsServer {
@@ -31,6 +33,33 @@ impl NatsServer {
             port: free_port(),
             dir,
             proc: None,
+            tls: Vec::new(),
+        };
+        s.restart();
+        s
+    }
+
+    /// A server that speaks TLS only, with `certs`' server certificate (it names
+    /// `localhost`); with `verify`, clients must show a certificate signed by `certs`' CA.
+    pub fn start_tls(certs: &TestCerts, verify: bool) -> Self {
+        let dir =
+            std::env::temp_dir().join(format!("outbox-nats-{}", uuid::Uuid::now_v7().simple()));
+        std::fs::create_dir_all(&dir).expect("nats temp dir");
+        let path = |p: &PathBuf| p.display().to_string();
+        let mut tls = vec![
+            "--tlscert".to_owned(),
+            path(&certs.server_cert),
+            "--tlskey".to_owned(),
+            path(&certs.server_key),
+            "--tlscacert".to_owned(),
+            path(&certs.ca),
+        ];
+        tls.push(if verify { "--tlsverify" } else { "--tls" }.to_owned());
+        let mut s = NatsServer {
+            port: free_port(),
+            dir,
+            proc: None,
+            tls,
         };
         s.restart();
         s
@@ -55,6 +84,7 @@ impl NatsServer {
                     "-sd",
                 ])
                 .arg(&self.dir)
+                .args(&self.tls)
                 .stdout(Stdio::null())
                 .stderr(Stdio::null()),
         );
