@@ -359,3 +359,190 @@ fn nats_requiring_client_certificates_refuses_a_relay_without_one() {
     );
     assert!(matches!(code, Some(c) if c != 0), "refused: {err}");
 }
+
+#[derive(Debug, Clone, Serialize, Deserialize, OutboxEvent)]
+#[outbox(aggregate_type = "tick", event_type = "tick")]
+struct Tick {
+    #[outbox(aggregate_id)]
+    agg: String,
+    n: i64,
+}
+
+/// Commits one event every few milliseconds (aggregates `a0`..`a4`, `n` counting up) until
+/// stopped; returns how many committed.
+struct Writer {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    done: Option<std::thread::JoinHandle<i64>>,
+}
+
+impl Writer {
+    fn start(db: &TestDb) -> Self {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let mut conn = db.conn();
+        let done = std::thread::spawn(move || {
+            let mut n = 0;
+            while !flag.load(Ordering::SeqCst) {
+                let e = Tick {
+                    agg: format!("a{}", n % 5),
+                    n,
+                };
+                conn.transaction(|c| c.record_event(&e)).expect("record");
+                n += 1;
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            n
+        });
+        Writer {
+            stop,
+            done: Some(done),
+        }
+    }
+
+    fn stop(mut self) -> i64 {
+        self.stop.store(true, Ordering::SeqCst);
+        self.done
+            .take()
+            .expect("running")
+            .join()
+            .expect("writer thread")
+    }
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Kills the stream's leader (SIGKILL), measures how long until the stream grows again, and
+/// starts the node again.
+async fn kill_the_leader(cluster: &mut NatsCluster, stream: &TestStream) -> Duration {
+    let start = std::time::Instant::now();
+    let leader = loop {
+        if let Some(l) = cluster.stream_leader(&stream.name).await {
+            break l;
+        }
+        assert!(start.elapsed() < TIMEOUT, "the stream has no leader");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let i = cluster
+        .index_of(&leader)
+        .expect("the leader is a node of the cluster");
+    let before = stream_last_seq(cluster, stream).await;
+    let killed = std::time::Instant::now();
+    cluster.kill(i);
+    wait_until(TIMEOUT, "the relay publishing again", || async {
+        stream_last_seq(cluster, stream).await > before
+    })
+    .await;
+    let resumed = killed.elapsed();
+    cluster.restart(i);
+    resumed
+}
+
+async fn stream_last_seq(cluster: &NatsCluster, stream: &TestStream) -> u64 {
+    let urls: Vec<String> = (0..3).map(|i| cluster.url(i)).collect();
+    let Ok(Ok(client)) = tokio::time::timeout(
+        Duration::from_secs(2),
+        support::nats_connect(&urls.join(",")),
+    )
+    .await
+    else {
+        return 0;
+    };
+    let js = async_nats::jetstream::new(client);
+    let info = async {
+        let mut s = js.get_stream(&stream.name).await.ok()?;
+        s.info().await.ok().map(|i| i.state.last_sequence)
+    };
+    tokio::time::timeout(Duration::from_secs(2), info)
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or(0)
+}
+
+/// Every committed event in the stream once (ids distinct, `committed` of them), and, where
+/// the mode promises it, each aggregate's events in commit order.
+async fn check_stream(stream: &TestStream, committed: i64, ordered: bool) {
+    wait_until(TIMEOUT, &format!("{committed} distinct events"), || async {
+        let msgs = stream.read_all().await;
+        let ids: std::collections::HashSet<_> = msgs.iter().map(|m| m.msg_id.clone()).collect();
+        ids.len() as i64 >= committed
+    })
+    .await;
+    let msgs = stream.read_all().await;
+    let ids: std::collections::HashSet<_> = msgs.iter().map(|m| m.msg_id.clone()).collect();
+    assert_eq!(
+        ids.len() as i64,
+        committed,
+        "every committed event, none other"
+    );
+    assert_eq!(
+        msgs.len(),
+        ids.len(),
+        "no duplicate inside the duplicate window"
+    );
+    if ordered {
+        let mut last: std::collections::HashMap<String, i64> = Default::default();
+        for m in &msgs {
+            let n = m.payload["n"].as_i64().expect("n");
+            let prev = last.insert(m.aggregate_id.clone(), n);
+            assert!(
+                prev.is_none_or(|p| p < n),
+                "aggregate {} out of order: {prev:?} then {n}",
+                m.aggregate_id
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicated_stream_loses_nothing_when_its_leader_is_killed_again_and_again() {
+    let mut cluster = NatsCluster::start();
+    for mode in ["ordered", "unordered", "log-tailing"] {
+        let db = TestDb::new();
+        let stream = TestStream::on(&cluster.urls());
+        let slot = format!("rep_{}", uuid::Uuid::now_v7().simple());
+        let mut args = vec!["--mode", mode, "--stream-replicas", "3"];
+        if mode == "log-tailing" {
+            args.extend(["--slot", &slot]);
+        }
+        let _relay = Proc::spawn("outbox-relay", &mut relay_command(&db, &stream, &args));
+        wait_until(TIMEOUT, "the relay made the stream", || async {
+            cluster.stream_leader(&stream.name).await.is_some()
+        })
+        .await;
+        if mode == "log-tailing" {
+            wait_until(TIMEOUT, "the relay reading its slot", || async {
+                db.scalar(&format!(
+                    "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{slot}' AND active"
+                )) == 1
+            })
+            .await;
+        }
+        let writer = Writer::start(&db);
+        for _ in 0..2 {
+            let resumed = kill_the_leader(&mut cluster, &stream).await;
+            eprintln!("{mode}: publishing again {resumed:?} after the stream leader was killed");
+            cluster.wait_ready();
+        }
+        let committed = writer.stop();
+        check_stream(&stream, committed, mode != "unordered").await;
+        let js = stream.js().await;
+        let replicas = js
+            .get_stream(&stream.name)
+            .await
+            .expect("stream")
+            .info()
+            .await
+            .expect("info")
+            .config
+            .num_replicas;
+        assert_eq!(
+            replicas, 3,
+            "the relay made the stream with --stream-replicas"
+        );
+    }
+}

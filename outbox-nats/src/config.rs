@@ -80,6 +80,9 @@ pub struct RelayConfig {
     pub listen: bool,
     /// The duplicate window of a stream the relay creates (default 2 minutes).
     pub duplicate_window: Duration,
+    /// The replicas of a stream the relay creates (default 1; 3 on a three-node JetStream
+    /// cluster, so the stream survives the loss of a node). An existing stream keeps its own.
+    pub stream_replicas: usize,
     /// How often a relay balances partitions with its peers, and a standby tries to take one
     /// (default 1 s).
     pub standby_interval: Duration,
@@ -146,6 +149,7 @@ impl RelayConfig {
             poll_interval: Duration::from_millis(100),
             listen: true,
             duplicate_window: Duration::from_secs(120),
+            stream_replicas: 1,
             standby_interval: Duration::from_secs(1),
             max_backoff: Duration::from_secs(5),
             max_attempts: 5,
@@ -308,6 +312,12 @@ impl RelayConfig {
         self
     }
 
+    /// Sets [`RelayConfig::stream_replicas`].
+    pub fn stream_replicas(mut self, n: usize) -> Self {
+        self.stream_replicas = n;
+        self
+    }
+
     /// Sets [`RelayConfig::duplicate_window`].
     pub fn duplicate_window(mut self, d: Duration) -> Self {
         self.duplicate_window = d;
@@ -348,6 +358,12 @@ impl RelayConfig {
 
     /// Checks the values that have rules; the relay calls it before it starts.
     pub fn validate(&self) -> Result<(), String> {
+        if !(1..=5).contains(&self.stream_replicas) {
+            return Err(format!(
+                "--stream-replicas {} is not 1 to 5 (JetStream's range); 3 on a three-node cluster",
+                self.stream_replicas
+            ));
+        }
         if self.mode == Mode::LogTailing {
             outbox_diesel::wal::check_slot_name(&self.slot_name())
                 .map_err(|e| format!("--slot: {e}"))?;

@@ -163,6 +163,8 @@ pub struct StreamInfo {
     pub name: String,
     /// Its duplicate window: a message id seen within it is dropped.
     pub duplicate_window: Duration,
+    /// Its replicas.
+    pub replicas: usize,
     /// Whether this call created it.
     pub created: bool,
 }
@@ -197,13 +199,14 @@ pub enum StreamError {
 }
 
 /// Gets the stream `name`, creating it (file storage, subjects `{prefix}.>`, the given
-/// duplicate window) when missing; an existing stream must capture `{prefix}.>`.
+/// duplicate window and replicas) when missing; an existing stream must capture `{prefix}.>`.
 pub async fn ensure_stream(
     js: &jetstream::Context,
     name: &str,
     prefix: &str,
     template: &SubjectTemplate,
     duplicate_window: Duration,
+    replicas: usize,
 ) -> Result<StreamInfo, StreamError> {
     let wanted = format!("{prefix}.>");
     let js_err = |e: async_nats::Error| StreamError::JetStream {
@@ -226,6 +229,7 @@ pub async fn ensure_stream(
             Ok(StreamInfo {
                 name: name.to_owned(),
                 duplicate_window: info.config.duplicate_window,
+                replicas: info.config.num_replicas,
                 created: false,
             })
         }
@@ -238,6 +242,7 @@ pub async fn ensure_stream(
                 subjects: vec![wanted],
                 storage: stream::StorageType::File,
                 duplicate_window,
+                num_replicas: replicas,
                 ..Default::default()
             };
             let mut s = js
@@ -248,6 +253,7 @@ pub async fn ensure_stream(
             Ok(StreamInfo {
                 name: name.to_owned(),
                 duplicate_window: info.config.duplicate_window,
+                replicas: info.config.num_replicas,
                 created: true,
             })
         }

@@ -213,12 +213,21 @@ impl Relay {
         if cfg.mode == Mode::LogTailing {
             self.check_log_tailing().await?;
         }
+        if !stream.created && stream.replicas != cfg.stream_replicas {
+            warn!(
+                stream = %stream.name,
+                replicas = stream.replicas,
+                wanted = cfg.stream_replicas,
+                "the stream exists with another replica count; --stream-replicas applies to a stream the relay creates"
+            );
+        }
         // the settings in force for the mode, and no other mode's
         match cfg.mode {
             Mode::Ordered => info!(
                 stream = %stream.name,
                 created = stream.created,
                 duplicate_window = ?stream.duplicate_window,
+                replicas = stream.replicas,
                 table = %cfg.table,
                 mode = %cfg.mode,
                 partitions = cfg.partitions,
@@ -228,6 +237,7 @@ impl Relay {
                 stream = %stream.name,
                 created = stream.created,
                 duplicate_window = ?stream.duplicate_window,
+                replicas = stream.replicas,
                 table = %cfg.table,
                 mode = %cfg.mode,
                 workers = cfg.workers,
@@ -237,6 +247,7 @@ impl Relay {
                 stream = %stream.name,
                 created = stream.created,
                 duplicate_window = ?stream.duplicate_window,
+                replicas = stream.replicas,
                 table = %cfg.table,
                 mode = %cfg.mode,
                 slot = %cfg.slot_name(),
@@ -386,6 +397,7 @@ impl Relay {
                 &cfg.subject_prefix,
                 &cfg.subject_template,
                 cfg.duplicate_window,
+                cfg.stream_replicas,
             );
             let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
             match tokio::time::timeout(remaining.max(Duration::from_millis(1)), attempt).await {

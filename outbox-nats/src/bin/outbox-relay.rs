@@ -181,6 +181,9 @@ struct RunArgs {
     /// Duplicate window of a stream the relay creates (`2m`).
     #[arg(long, env = "OUTBOX_DUPLICATE_WINDOW", default_value = "2m", value_parser = humantime::parse_duration)]
     duplicate_window: Duration,
+    /// Replicas of a stream the relay creates (1 to 5; 3 on a three-node JetStream cluster).
+    #[arg(long, env = "OUTBOX_STREAM_REPLICAS", default_value_t = 1)]
+    stream_replicas: usize,
     /// Failed attempts after which a row JetStream keeps rejecting is parked.
     #[arg(long, env = "OUTBOX_MAX_ATTEMPTS", default_value_t = 5)]
     max_attempts: u32,
@@ -350,6 +353,7 @@ async fn run(args: RunArgs) -> ExitCode {
         .batch_size(args.batch_size)
         .poll_interval(args.poll_interval)
         .duplicate_window(args.duplicate_window)
+        .stream_replicas(args.stream_replicas)
         .listen(!args.no_listen)
         .startup_timeout(args.startup_timeout);
     config.mode = match args.mode {
