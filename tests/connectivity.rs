@@ -500,6 +500,19 @@ async fn check_stream(stream: &TestStream, committed: i64, ordered: bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicated_stream_loses_nothing_when_its_leader_is_killed_again_and_again() {
+    leader_kills(2).await;
+}
+
+/// The long version: twenty leader kills per mode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: minutes"]
+async fn long_replicated_stream_leader_killed_20_times_per_mode() {
+    leader_kills(20).await;
+}
+
+/// `kills` leader kills per mode while a writer commits, then a follower restarted and the
+/// whole cluster restarted; the stream checked after.
+async fn leader_kills(kills: usize) {
     let mut cluster = NatsCluster::start();
     for mode in ["ordered", "unordered", "log-tailing"] {
         let db = TestDb::new();
@@ -523,11 +536,34 @@ async fn replicated_stream_loses_nothing_when_its_leader_is_killed_again_and_aga
             .await;
         }
         let writer = Writer::start(&db);
-        for _ in 0..2 {
+        for _ in 0..kills {
             let resumed = kill_the_leader(&mut cluster, &stream).await;
             eprintln!("{mode}: publishing again {resumed:?} after the stream leader was killed");
             cluster.wait_ready();
         }
+        // a follower restarted, then the whole cluster
+        let leader = cluster
+            .stream_leader(&stream.name)
+            .await
+            .unwrap_or_default();
+        let follower = (0..3)
+            .find(|i| cluster.index_of(&leader) != Some(*i))
+            .unwrap_or(0);
+        cluster.restart(follower);
+        cluster.wait_ready();
+        let before = stream_last_seq(&cluster, &stream).await;
+        let stopped = std::time::Instant::now();
+        cluster.restart_all();
+        wait_until(
+            TIMEOUT,
+            "the relay publishing after the cluster restart",
+            || async { stream_last_seq(&cluster, &stream).await > before },
+        )
+        .await;
+        eprintln!(
+            "{mode}: publishing again {:?} after the whole cluster was stopped",
+            stopped.elapsed()
+        );
         let committed = writer.stop();
         check_stream(&stream, committed, mode != "unordered").await;
         let js = stream.js().await;

@@ -452,10 +452,19 @@ impl NatsCluster {
         self.spawn(i);
     }
 
-    /// Kills every node, then starts them all again and waits for a meta leader.
+    /// Stops every node (SIGTERM, as an orchestrator restarts a cluster), then starts them all
+    /// again and waits for a meta leader.
     pub fn restart_all(&mut self) {
-        for i in 0..self.nodes.len() {
-            self.kill(i);
+        for node in &mut self.nodes {
+            if let Some(p) = node.proc.as_mut() {
+                p.signal("TERM");
+            }
+        }
+        for node in &mut self.nodes {
+            if let Some(mut p) = node.proc.take() {
+                p.wait_exit(Duration::from_secs(10));
+                p.kill();
+            }
         }
         for i in 0..self.nodes.len() {
             self.spawn(i);
