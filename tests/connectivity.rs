@@ -582,3 +582,161 @@ async fn leader_kills(kills: usize) {
         );
     }
 }
+
+/// Commits events through `url` (several hosts, `target_session_attrs=read-write`),
+/// reconnecting after errors, until stopped; returns the ids whose commit was acknowledged.
+struct FailoverWriter {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    done: Option<std::thread::JoinHandle<Vec<String>>>,
+}
+
+impl FailoverWriter {
+    fn start(url: String) -> Self {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let done = std::thread::spawn(move || {
+            let mut acked = Vec::new();
+            let mut conn: Option<PgConnection> = None;
+            let mut n = 0;
+            while !flag.load(Ordering::SeqCst) {
+                let Some(c) = conn.as_mut() else {
+                    conn = PgConnection::establish(&url).ok();
+                    if conn.is_none() {
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                    continue;
+                };
+                let e = Tick {
+                    agg: format!("a{}", n % 5),
+                    n,
+                };
+                n += 1;
+                let id = c.transaction(|c| {
+                    c.record_event(&e)?;
+                    diesel::select(diesel::dsl::sql::<diesel::sql_types::Text>(
+                        "(SELECT id::text FROM outbox ORDER BY seq DESC LIMIT 1)",
+                    ))
+                    .get_result::<String>(c)
+                });
+                match id {
+                    Ok(id) => acked.push(id),
+                    Err(_) => conn = None,
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            acked
+        });
+        FailoverWriter {
+            stop,
+            done: Some(done),
+        }
+    }
+
+    fn stop(mut self) -> Vec<String> {
+        self.stop.store(true, Ordering::SeqCst);
+        self.done
+            .take()
+            .expect("running")
+            .join()
+            .expect("writer thread")
+    }
+}
+
+impl Drop for FailoverWriter {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn polling_relays_follow_a_promoted_standby_and_lose_nothing_committed() {
+    for mode in ["ordered", "unordered"] {
+        let (mut primary, mut standby) = PgCluster::start_with_standby();
+        let db = TestDb::on(&primary.base_url());
+        let url = format!(
+            "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/{}?target_session_attrs=read-write",
+            primary.port, standby.port, db.name
+        );
+        let stream = TestStream::new();
+        let mut cmd = relay_command(&db, &stream, &["--mode", mode]);
+        cmd.env("DATABASE_URL", &url);
+        let _relay = Proc::spawn("outbox-relay", &mut cmd);
+        let writer = FailoverWriter::start(url.clone());
+        wait_until(TIMEOUT, "events relayed from the primary", || async {
+            stream.count().await >= 100
+        })
+        .await;
+        primary.stop();
+        standby.promote();
+        let after = stream.count().await;
+        wait_until(
+            TIMEOUT,
+            "events relayed from the promoted standby",
+            || async { stream.count().await >= after + 100 },
+        )
+        .await;
+        let acked = writer.stop();
+        // what the surviving database holds
+        let survivor = PgConnection::establish(&format!(
+            "postgres://postgres@127.0.0.1:{}/{}",
+            standby.port, db.name
+        ))
+        .expect("connect to the new primary");
+        let mut survivor = survivor;
+        let rows: std::collections::HashSet<String> =
+            diesel::dsl::sql::<diesel::sql_types::Text>("SELECT id::text FROM outbox")
+                .load::<String>(&mut survivor)
+                .expect("outbox ids")
+                .into_iter()
+                .collect();
+        let missing_acked = acked.iter().filter(|id| !rows.contains(*id)).count();
+        assert_eq!(
+            missing_acked, 0,
+            "{mode}: an acknowledged commit is not on the standby"
+        );
+        wait_until(
+            TIMEOUT,
+            "every row of the new primary in the stream",
+            || async {
+                let ids: std::collections::HashSet<String> = stream
+                    .read_all()
+                    .await
+                    .into_iter()
+                    .map(|m| m.msg_id)
+                    .collect();
+                rows.iter().all(|id| ids.contains(id))
+            },
+        )
+        .await;
+        let msgs = stream.read_all().await;
+        let ids: std::collections::HashSet<String> =
+            msgs.iter().map(|m| m.msg_id.clone()).collect();
+        assert!(
+            ids.iter().all(|id| rows.contains(id)),
+            "{mode}: an event in the stream whose row the surviving database does not hold"
+        );
+        assert_eq!(
+            msgs.len(),
+            ids.len(),
+            "{mode}: duplicates reached the stream"
+        );
+        if mode == "ordered" {
+            let mut last: std::collections::HashMap<String, i64> = Default::default();
+            for m in &msgs {
+                let n = m.payload["n"].as_i64().expect("n");
+                let prev = last.insert(m.aggregate_id.clone(), n);
+                assert!(
+                    prev.is_none_or(|p| p < n),
+                    "aggregate {} out of order across the failover: {prev:?} then {n}",
+                    m.aggregate_id
+                );
+            }
+        }
+        eprintln!(
+            "{mode}: {} acknowledged commits, {} rows on the new primary, {} in the stream",
+            acked.len(),
+            rows.len(),
+            ids.len()
+        );
+    }
+}

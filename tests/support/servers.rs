@@ -263,6 +263,66 @@ impl PgCluster {
         c
     }
 
+    /// A primary and its synchronous streaming standby (made with `pg_basebackup`): every
+    /// commit on the primary waits until the standby has it.
+    pub fn start_with_standby() -> (Self, Self) {
+        let primary = Self::start();
+        let dir = std::env::temp_dir().join(format!("outbox-pg-{}", uuid::Uuid::now_v7().simple()));
+        std::fs::create_dir_all(&dir).expect("pg temp dir");
+        let _ = Command::new("chown")
+            .args(["postgres:postgres"])
+            .arg(&dir)
+            .status();
+        let ok = as_postgres("pg_basebackup")
+            .args(["-h", "127.0.0.1", "-p", &primary.port.to_string()])
+            .args(["-U", "postgres", "-X", "stream", "-R", "-D"])
+            .arg(dir.join("data"))
+            .stdout(Stdio::null())
+            .status()
+            .expect("pg_basebackup");
+        assert!(ok.success(), "pg_basebackup failed");
+        let mut standby = PgCluster {
+            port: free_port(),
+            dir,
+            running: false,
+            tls: false,
+        };
+        standby.restart();
+        let ok = as_postgres("psql")
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &primary.port.to_string(),
+                "-U",
+                "postgres",
+            ])
+            .args(["-d", "postgres", "-X", "-q", "-v", "ON_ERROR_STOP=1"])
+            .args([
+                "-c",
+                "ALTER SYSTEM SET synchronous_standby_names = '*'",
+                "-c",
+                "SELECT pg_reload_conf()",
+            ])
+            .stdout(Stdio::null())
+            .status()
+            .expect("psql");
+        assert!(ok.success(), "cannot make the standby synchronous");
+        (primary, standby)
+    }
+
+    /// Promotes a standby to primary and waits until it accepts writes.
+    pub fn promote(&mut self) {
+        let ok = as_postgres("pg_ctl")
+            .args(["-w", "-D"])
+            .arg(self.dir.join("data"))
+            .arg("promote")
+            .stdout(Stdio::null())
+            .status()
+            .expect("pg_ctl promote");
+        assert!(ok.success(), "pg_ctl promote failed");
+    }
+
     fn init() -> Self {
         let dir = std::env::temp_dir().join(format!("outbox-pg-{}", uuid::Uuid::now_v7().simple()));
         std::fs::create_dir_all(&dir).expect("pg temp dir");
