@@ -740,3 +740,56 @@ async fn polling_relays_follow_a_promoted_standby_and_lose_nothing_committed() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_helper_commits_over_tls() {
+    let certs = TestCerts::make();
+    let cluster = PgCluster::start_tls(&certs);
+    let (db, consumer_db, stream) = (
+        TestDb::new(),
+        TestDb::on(&cluster.base_url()),
+        TestStream::new(),
+    );
+    record(&db, 0, 10);
+    let _relay = Proc::spawn("outbox-relay", &mut relay_command(&db, &stream, &[]));
+    let url = format!(
+        "postgres://postgres@localhost:{}/{}?sslmode=verify-full&sslrootcert={}",
+        cluster.port,
+        consumer_db.name,
+        certs.ca.display()
+    );
+    let nats = support::nats_connect(&stream.nats_url)
+        .await
+        .expect("connect to NATS");
+    let config = ConsumerConfig::new("tls", url)
+        .stream(stream.name.clone())
+        .filter_subject(format!("{}.>", stream.prefix))
+        .fetch_wait(Duration::from_millis(200))
+        .startup_timeout(Duration::from_secs(20));
+    let shutdown = CancellationToken::new();
+    let consumer = tokio::spawn(Consumer::new(config, nats).run(
+        shutdown.clone(),
+        async move |conn: &mut AsyncPgConnection, _msg: Delivery<OrderPlaced>| {
+            diesel_async::RunQueryDsl::execute(diesel::sql_query("SELECT 1"), conn).await?;
+            Ok::<(), diesel::result::Error>(())
+        },
+    ));
+    wait_until(TIMEOUT, "10 events in the consumer's inbox", || async {
+        consumer_db.scalar("SELECT count(*) FROM processed_messages") == 10
+    })
+    .await;
+    assert_eq!(
+        consumer_db.scalar(
+            "SELECT count(*) FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) \
+             WHERE a.datname = current_database() AND a.pid <> pg_backend_pid() AND NOT s.ssl"
+        ),
+        0,
+        "every connection of the consumer uses TLS"
+    );
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(10), consumer)
+        .await
+        .expect("the consumer stops")
+        .expect("consumer task")
+        .expect("consumer result");
+}
