@@ -899,3 +899,153 @@ async fn an_event_accepted_at_record_time_fits_the_servers_max_payload() {
     assert_eq!(got.len(), 1);
     assert_eq!(got[0].aggregate_id, "s-2");
 }
+
+/// The first line's buffers of an `EXPLAIN (ANALYZE, BUFFERS)`: `shared hit` plus `read`.
+fn buffers(plan: &[String]) -> u64 {
+    let line = plan
+        .iter()
+        .find(|l| l.contains("Buffers:"))
+        .unwrap_or_else(|| panic!("no Buffers line in\n{}", plan.join("\n")));
+    line.split_whitespace()
+        .filter_map(|w| w.strip_prefix("hit=").or_else(|| w.strip_prefix("read=")))
+        .filter_map(|n| n.parse::<u64>().ok())
+        .sum()
+}
+
+/// The relay's poll of the whole table (`--partitions 1`), executed in a relay's session.
+async fn analyzed_poll(db: &TestDb) -> Vec<String> {
+    let mut conn = db.async_conn().await;
+    outbox_diesel::relay::prepare_session(&mut conn)
+        .await
+        .expect("prepare the session");
+    outbox_diesel::relay::explain_poll_analyze(
+        &mut conn,
+        &outbox_diesel::OutboxTable::DEFAULT,
+        &[0],
+        1,
+        500,
+    )
+    .await
+    .expect("explain the poll")
+}
+
+// 10. A parked hot aggregate: 20,000 rows wait behind its parked row. The relay's poll must
+// not read them on every poll.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poll_costs_the_same_whatever_number_of_rows_wait_behind_a_parked_one() {
+    let db = TestDb::new();
+    let stream = TestStream::new();
+    let insert = |aggregate: &str, n: i64| {
+        diesel::sql_query(format!(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+             SELECT gen_random_uuid(), 'order', {aggregate}, 'order.placed', \
+             jsonb_build_object('n', i) FROM generate_series(1, {n}) AS i"
+        ))
+        .execute(&mut db.conn())
+        .expect("insert rows");
+    };
+    // the hot aggregate's first row was rejected for good and parked
+    insert("'hot'", 1);
+    diesel::sql_query(
+        "UPDATE outbox SET parked_at = now(), attempts = 5, last_error = 'rejected' \
+         WHERE aggregate_id = 'hot'",
+    )
+    .execute(&mut db.conn())
+    .expect("park");
+    insert("'hot'", 20_000);
+    insert("'o-' || i", 200);
+    diesel::sql_query("VACUUM ANALYZE outbox")
+        .execute(&mut db.conn())
+        .expect("vacuum");
+
+    let relay = Proc::spawn("relay", &mut relay_command(&db, &stream, &[]));
+    wait_published(&db, 200).await;
+    // the relay meets each held-back row once, and sets it aside
+    wait_until(
+        Duration::from_secs(30),
+        "the hot rows held back",
+        || async {
+            db.scalar("SELECT count(*) FROM outbox WHERE parked_at = '-infinity'") == 20_000
+        },
+    )
+    .await;
+    drop(relay);
+    // as autovacuum does after 1,000 dead index entries (the table's threshold)
+    diesel::sql_query("VACUUM outbox")
+        .execute(&mut db.conn())
+        .expect("vacuum");
+    let plan = analyzed_poll(&db).await;
+    let text = plan.join("\n");
+    assert!(
+        text.contains("Scan using outbox_ready") && !text.contains("Rows Removed by Filter"),
+        "{text}"
+    );
+    let held = buffers(&plan);
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL"),
+        20_001,
+        "the hot aggregate's rows wait, unpublished"
+    );
+    assert_eq!(stream.count().await, 200);
+
+    // the same poll over the same table without held-back rows: the same cost
+    diesel::sql_query("DELETE FROM outbox WHERE aggregate_id = 'hot'")
+        .execute(&mut db.conn())
+        .expect("delete the hot aggregate");
+    diesel::sql_query("VACUUM outbox")
+        .execute(&mut db.conn())
+        .expect("vacuum");
+    let empty = buffers(&analyzed_poll(&db).await);
+    println!("poll buffers: {held} with 20,000 rows held back, {empty} with none");
+    assert!(
+        held <= empty + 10,
+        "{held} buffers held, {empty} empty:\n{text}"
+    );
+}
+
+// 10. `retry` releases the parked row and the rows held back behind it, which are published
+// in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_releases_the_rows_held_back_behind_a_parked_one_in_order() {
+    let db = TestDb::new();
+    let stream = TestStream::new();
+    record(&mut db.conn(), 1, 1);
+    diesel::sql_query("UPDATE outbox SET parked_at = now(), attempts = 5, last_error = 'rejected'")
+        .execute(&mut db.conn())
+        .expect("park");
+    let parked_seq = db.scalar("SELECT min(seq) FROM outbox");
+    record(&mut db.conn(), 30, 3); // acct-0 (behind the parked row), acct-1, acct-2
+    let relay = Proc::spawn("relay", &mut relay_command(&db, &stream, &[]));
+    wait_published(&db, 20).await;
+    wait_until(
+        Duration::from_secs(20),
+        "acct-0's rows held back",
+        || async { db.scalar("SELECT count(*) FROM outbox WHERE parked_at = '-infinity'") == 10 },
+    )
+    .await;
+    let mut conn = db.async_conn().await;
+    let released = outbox_diesel::relay::retry_parked(
+        &mut conn,
+        &outbox_diesel::OutboxTable::DEFAULT,
+        Some(parked_seq),
+    )
+    .await
+    .expect("retry");
+    assert_eq!(
+        released, 1,
+        "one parked row released, with the 10 held back behind it"
+    );
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM outbox WHERE parked_at IS NOT NULL"),
+        0
+    );
+    wait_published(&db, 31).await;
+    drop(relay);
+    let msgs = stream.read_all().await;
+    let acct0: Vec<i64> = msgs
+        .iter()
+        .filter(|m| m.aggregate_id == "acct-0")
+        .map(|m| m.payload["n"].as_i64().unwrap_or(-1))
+        .collect();
+    assert_eq!(acct0, vec![0, 0, 3, 6, 9, 12, 15, 18, 21, 24, 27]);
+}

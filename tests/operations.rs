@@ -434,8 +434,8 @@ async fn poll_plan(db: &TestDb, partitions: &[i32], count: u32) -> Vec<String> {
 fn assert_index_scan(plan: &[String]) {
     let text = plan.join("\n");
     assert!(
-        text.contains("Index Scan using outbox_unpublished"),
-        "the poll must scan outbox_unpublished:\n{text}"
+        text.contains("Index Scan using outbox_ready"),
+        "the poll must scan outbox_ready:\n{text}"
     );
     assert!(
         !text.contains("Seq Scan") && !text.contains("Sort"),

@@ -100,6 +100,9 @@ struct FetchBatch<'a> {
     exclude: &'a [i64],
     /// competing workers: lock the rows, skip rows others locked
     skip_locked: bool,
+    /// add the column `held`: whether an earlier row of the row's aggregate is parked (or
+    /// held), evaluated for the returned rows alone
+    flag_held: bool,
 }
 
 impl QueryId for FetchBatch<'_> {
@@ -115,8 +118,18 @@ impl QueryFragment<Pg> for FetchBatch<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         out.push_sql(
             "SELECT o.seq, o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload, \
-             o.headers, o.created_at, o.attempts FROM ",
+             o.headers, o.created_at, o.attempts",
         );
+        if self.flag_held {
+            out.push_sql(", EXISTS (SELECT 1 FROM ");
+            self.table.walk_ast(&mut out)?;
+            out.push_sql(
+                " p WHERE p.parked_at IS NOT NULL AND p.published_at IS NULL \
+                 AND p.aggregate_type = o.aggregate_type AND p.aggregate_id = o.aggregate_id \
+                 AND p.seq < o.seq) AS held",
+            );
+        }
+        out.push_sql(" FROM ");
         self.table.walk_ast(&mut out)?;
         out.push_sql(" o WHERE o.published_at IS NULL AND o.parked_at IS NULL");
         if self.count > 1 {
@@ -201,9 +214,112 @@ pub async fn fetch_partitions_excluding(
         held_back,
         exclude,
         skip_locked: false,
+        flag_held: false,
     }
     .load(conn)
     .await
+}
+
+/// A fetched row and whether it is held back.
+#[derive(QueryableByName)]
+struct Fetched {
+    #[diesel(embed)]
+    event: OutboxRow,
+    #[diesel(sql_type = Bool)]
+    held: bool,
+}
+
+/// The ordered relay's poll: like [`fetch_partitions_excluding`], but a row of an aggregate
+/// whose earlier row is parked is not returned: it is held back, set aside with `parked_at =
+/// '-infinity'` (see [`hold_back`]) the first time a poll meets it. The poll's index
+/// (`outbox_ready`: unpublished, not parked, not held) then no longer holds it, so a poll costs
+/// the same whatever number of rows wait behind a parked one. [`retry_parked`] releases them
+/// with the parked row. Traced as the span `outbox.claim`.
+#[tracing::instrument(name = "outbox.claim", level = "debug", skip_all, fields(outbox.table = %table, outbox.partitions = partitions.len(), outbox.held = exclude.len()))]
+pub async fn fetch_ready(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    partitions: &[i32],
+    count: u32,
+    exclude: &[i64],
+    limit: i64,
+) -> QueryResult<Vec<OutboxRow>> {
+    if partitions.is_empty() {
+        return Ok(Vec::new());
+    }
+    let fetched: Vec<Fetched> = FetchBatch {
+        table,
+        partitions,
+        count,
+        limit,
+        held_back: &[],
+        exclude,
+        skip_locked: false,
+        flag_held: true,
+    }
+    .load(conn)
+    .await?;
+    let held: Vec<i64> = fetched
+        .iter()
+        .filter(|f| f.held)
+        .map(|f| f.event.seq)
+        .collect();
+    if !held.is_empty() {
+        let n = hold_back(conn, table, &held).await?;
+        tracing::debug!(
+            held = n,
+            "rows held back behind a parked row of their aggregate"
+        );
+    }
+    Ok(fetched
+        .into_iter()
+        .filter(|f| !f.held)
+        .map(|f| f.event)
+        .collect())
+}
+
+/// The first key of the transaction advisory lock that orders [`hold_back`] and
+/// [`retry_parked`] on a table (the second is the table's OID): `'OBHD'` in ASCII, far above
+/// the OIDs of user tables that the partition locks use there.
+pub const HOLD_LOCK_KEY: i32 = 0x4F42_4844;
+
+/// Sets aside the rows `seqs` whose aggregate has an earlier parked (or held) row, with
+/// `parked_at = '-infinity'`: unpublished, out of the poll's index, released by
+/// [`retry_parked`] with the parked row. A row whose aggregate no longer has one (a `retry`
+/// ran meanwhile) is left as it is. Returns how many it set aside.
+pub async fn hold_back(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    seqs: &[i64],
+) -> QueryResult<usize> {
+    use diesel_async::AsyncConnection;
+    let t = table.quoted();
+    conn.transaction(async |conn| {
+        lock_holds(conn, table).await?;
+        diesel::sql_query(format!(
+            "UPDATE {t} o SET parked_at = '-infinity' WHERE o.seq = ANY($1) \
+             AND o.published_at IS NULL AND o.parked_at IS NULL AND EXISTS (SELECT 1 FROM {t} p \
+             WHERE p.parked_at IS NOT NULL AND p.published_at IS NULL \
+             AND p.aggregate_type = o.aggregate_type AND p.aggregate_id = o.aggregate_id \
+             AND p.seq < o.seq)"
+        ))
+        .bind::<Array<BigInt>, _>(seqs)
+        .execute(conn)
+        .await
+    })
+    .await
+}
+
+/// Serialises holding back and retrying on `table` until the transaction ends: a retry that
+/// commits is seen by a later hold, which then leaves the released aggregate's rows alone.
+async fn lock_holds(conn: &mut AsyncPgConnection, table: &OutboxTable) -> QueryResult<()> {
+    diesel::sql_query(format!(
+        "SELECT pg_advisory_xact_lock({HOLD_LOCK_KEY}, to_regclass($1)::oid::int)"
+    ))
+    .bind::<Text, _>(table.quoted())
+    .execute(conn)
+    .await
+    .map(drop)
 }
 
 #[derive(QueryableByName)]
@@ -220,7 +336,7 @@ pub async fn held_back_aggregates(
 ) -> QueryResult<Vec<String>> {
     let keys: Vec<Key> = diesel::sql_query(format!(
         "SELECT DISTINCT aggregate_type || '.' || aggregate_id AS k FROM {} \
-         WHERE parked_at IS NOT NULL",
+         WHERE parked_at > '-infinity'",
         table.quoted()
     ))
     .load(conn)
@@ -266,6 +382,7 @@ pub async fn claim_unpublished(
         held_back: &[],
         exclude: &[],
         skip_locked: true,
+        flag_held: false,
     }
     .load(conn)
     .await
@@ -431,7 +548,7 @@ pub async fn backlog(conn: &mut AsyncPgConnection, table: &OutboxTable) -> Query
     diesel::sql_query(format!(
         "SELECT count(*) AS unpublished, \
          COALESCE(EXTRACT(EPOCH FROM now() - min(created_at)), 0)::float8 AS oldest_age_seconds, \
-         count(*) FILTER (WHERE parked_at IS NOT NULL) AS parked, \
+         count(*) FILTER (WHERE parked_at > '-infinity') AS parked, \
          count(*) FILTER (WHERE attempts > 0) AS in_doubt, \
          COALESCE(EXTRACT(EPOCH FROM now() - min(created_at) FILTER (WHERE attempts > 0)), 0)::float8 \
          AS oldest_in_doubt_age_seconds \
@@ -473,7 +590,7 @@ pub async fn partition_backlog(
          FROM generate_series(0, $1 - 1) AS p(partition) LEFT JOIN ( \
          SELECT aggregate_hash % $1 AS partition, count(*) AS unpublished, \
          EXTRACT(EPOCH FROM now() - min(created_at))::float8 AS oldest_age_seconds, \
-         count(*) FILTER (WHERE parked_at IS NOT NULL) AS parked \
+         count(*) FILTER (WHERE parked_at > '-infinity') AS parked \
          FROM {} WHERE published_at IS NULL GROUP BY 1) b USING (partition) ORDER BY 1",
         table.quoted()
     ))
@@ -607,8 +724,8 @@ pub async fn delete_published(
 /// The plan of the relay's poll of `partitions` (of `count`; `[0]` of 1 for the whole table)
 /// as `EXPLAIN` prints it, line by line, planned in `conn`'s session: call
 /// [`prepare_session`] first to see the plan the relay gets. The poll should be an `Index
-/// Scan using outbox_unpublished` (the partial index on unpublished rows) under a `Limit`,
-/// with no `Sort` and no `Seq Scan`.
+/// Scan using outbox_ready` (the partial index on unpublished rows that are neither parked
+/// nor held back) under a `Limit`, with no `Sort` and no `Seq Scan`.
 pub async fn explain_poll(
     conn: &mut AsyncPgConnection,
     table: &OutboxTable,
@@ -629,10 +746,61 @@ pub async fn explain_poll(
         held_back: &[],
         exclude: &[],
         skip_locked: false,
+        flag_held: true,
     };
     let lines: Vec<PlanLine> = Explain(fetch).load(conn).await?;
     Ok(lines.into_iter().map(|l| l.line).collect())
 }
+
+/// [`explain_poll`] run with `EXPLAIN (ANALYZE, BUFFERS)`: the poll executed, with the rows
+/// and buffers each node read. What it costs shows in the first line's `Buffers:` figure.
+pub async fn explain_poll_analyze(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    partitions: &[i32],
+    count: u32,
+    limit: i64,
+) -> QueryResult<Vec<String>> {
+    #[derive(QueryableByName)]
+    struct PlanLine {
+        #[diesel(sql_type = Text, column_name = "QUERY PLAN")]
+        line: String,
+    }
+    let fetch = FetchBatch {
+        table,
+        partitions,
+        count,
+        limit,
+        held_back: &[],
+        exclude: &[],
+        skip_locked: false,
+        flag_held: true,
+    };
+    let lines: Vec<PlanLine> = ExplainAnalyze(fetch).load(conn).await?;
+    Ok(lines.into_iter().map(|l| l.line).collect())
+}
+
+/// `EXPLAIN (ANALYZE, BUFFERS)` in front of a query.
+#[derive(Debug)]
+struct ExplainAnalyze<Q>(Q);
+
+impl<Q> QueryId for ExplainAnalyze<Q> {
+    type QueryId = ();
+    const HAS_STATIC_QUERY_ID: bool = false;
+}
+
+impl<Q> Query for ExplainAnalyze<Q> {
+    type SqlType = diesel::sql_types::Untyped;
+}
+
+impl<Q: QueryFragment<Pg>> QueryFragment<Pg> for ExplainAnalyze<Q> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql("EXPLAIN (ANALYZE, BUFFERS) ");
+        self.0.walk_ast(out.reborrow())
+    }
+}
+
+impl<Q, Conn> diesel::RunQueryDsl<Conn> for ExplainAnalyze<Q> {}
 
 /// `EXPLAIN` in front of a query.
 #[derive(Debug)]
@@ -874,28 +1042,52 @@ pub async fn parked(
     diesel::sql_query(format!(
         "SELECT p.seq, p.id, p.aggregate_type, p.aggregate_id, p.event_type, p.attempts, \
          p.last_error, p.parked_at, (SELECT count(*) FROM {t} o WHERE o.published_at IS NULL \
-         AND o.parked_at IS NULL AND o.aggregate_type = p.aggregate_type \
+         AND (o.parked_at IS NULL OR o.parked_at = '-infinity') \
+         AND o.aggregate_type = p.aggregate_type \
          AND o.aggregate_id = p.aggregate_id AND o.seq > p.seq) AS held_back \
-         FROM {t} p WHERE p.parked_at IS NOT NULL AND p.published_at IS NULL ORDER BY p.seq"
+         FROM {t} p WHERE p.parked_at > '-infinity' AND p.published_at IS NULL ORDER BY p.seq"
     ))
     .load(conn)
     .await
 }
 
 /// Un-parks the row `seq` (or every parked row when `None`) and resets its attempts, so the
-/// relay publishes it again; returns how many rows it released.
+/// relay publishes it again, and releases the rows held back behind it (see [`hold_back`]);
+/// returns how many parked rows it released (held-back rows are not counted). Rows still
+/// behind another parked row of their aggregate are held back again by the next poll.
 pub async fn retry_parked(
     conn: &mut AsyncPgConnection,
     table: &OutboxTable,
     seq: Option<i64>,
 ) -> QueryResult<usize> {
-    diesel::sql_query(format!(
-        "UPDATE {} SET parked_at = NULL, attempts = 0 WHERE parked_at IS NOT NULL \
-         AND published_at IS NULL AND ($1::bigint IS NULL OR seq = $1)",
-        table.quoted()
-    ))
-    .bind::<Nullable<BigInt>, _>(seq)
-    .execute(conn)
+    use diesel_async::AsyncConnection;
+    let t = table.quoted();
+    conn.transaction(async |conn| {
+        lock_holds(conn, table).await?;
+        #[derive(QueryableByName)]
+        struct Count {
+            #[diesel(sql_type = BigInt)]
+            n: i64,
+        }
+        let parked: Count = diesel::sql_query(format!(
+            "SELECT count(*) AS n FROM {t} WHERE parked_at > '-infinity' \
+             AND published_at IS NULL AND ($1::bigint IS NULL OR seq = $1)"
+        ))
+        .bind::<Nullable<BigInt>, _>(seq)
+        .get_result(conn)
+        .await?;
+        diesel::sql_query(format!(
+            "UPDATE {t} o SET parked_at = NULL, attempts = 0 WHERE o.parked_at IS NOT NULL \
+             AND o.published_at IS NULL AND ($1::bigint IS NULL OR o.seq = $1 \
+             OR (o.parked_at = '-infinity' AND o.seq > $1 AND EXISTS (SELECT 1 FROM {t} p \
+             WHERE p.seq = $1 AND p.parked_at > '-infinity' \
+             AND p.aggregate_type = o.aggregate_type AND p.aggregate_id = o.aggregate_id)))"
+        ))
+        .bind::<Nullable<BigInt>, _>(seq)
+        .execute(conn)
+        .await?;
+        Ok(parked.n as usize)
+    })
     .await
 }
 

@@ -65,6 +65,7 @@ diesel::table! {
 pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
 
 const UP_SQL: &str = include_str!("../migrations/2026-12-01-000000_create_outbox/up.sql");
+const READY_SQL: &str = include_str!("../migrations/2026-12-03-000000_outbox_ready/up.sql");
 
 /// Applies the outbox's pending migrations (creating the tables `outbox` and
 /// `processed_messages`).
@@ -88,7 +89,7 @@ pub fn run_migrations(
 pub fn create_table_sql(table: &OutboxTable) -> String {
     let q = table.quoted();
     let prefix = table.name();
-    UP_SQL
+    format!("{UP_SQL}{READY_SQL}")
         .replace("CREATE TABLE outbox (", &format!("CREATE TABLE {q} ("))
         .replace(" ON outbox (", &format!(" ON {q} ("))
         .replace("ALTER TABLE outbox SET", &format!("ALTER TABLE {q} SET"))
@@ -121,7 +122,8 @@ fn quote_object_names(line: &str, prefix: &str) -> String {
 }
 
 /// Creates the outbox table `table` (and its indexes) when it does not exist yet, in one
-/// transaction. For the default name prefer [`MIGRATIONS`], which Diesel tracks.
+/// transaction; adds the poll's index `{name}_ready` to a table made by an earlier version.
+/// For the default name prefer [`MIGRATIONS`], which Diesel tracks.
 pub fn create_table(conn: &mut PgConnection, table: &OutboxTable) -> diesel::QueryResult<()> {
     let exists: bool = diesel::select(
         diesel::dsl::sql::<diesel::sql_types::Bool>("to_regclass(")
@@ -130,7 +132,31 @@ pub fn create_table(conn: &mut PgConnection, table: &OutboxTable) -> diesel::Que
     )
     .get_result(conn)?;
     if exists {
-        return Ok(());
+        // a table made before the poll's index existed gets it
+        let index = crate::table::quote_ident(&format!("{}_ready", table.name()));
+        let qualified = match table.schema() {
+            Some(s) => format!("{}.{index}", crate::table::quote_ident(s)),
+            None => index.clone(),
+        };
+        let has_index: bool = diesel::select(
+            diesel::dsl::sql::<diesel::sql_types::Bool>("to_regclass(")
+                .bind::<diesel::sql_types::Text, _>(qualified)
+                .sql(") IS NOT NULL"),
+        )
+        .get_result(conn)?;
+        if has_index {
+            return Ok(());
+        }
+        let ready = READY_SQL
+            .lines()
+            .find(|l| l.starts_with("CREATE INDEX"))
+            .unwrap_or_default()
+            .replacen(
+                "CREATE INDEX outbox_ready ON outbox (",
+                &format!("CREATE INDEX IF NOT EXISTS {index} ON {} (", table.quoted()),
+                1,
+            );
+        return diesel::connection::SimpleConnection::batch_execute(conn, &ready);
     }
     conn.transaction(|conn| {
         // the DDL's string literals (the CHECKs' patterns) are written for standard strings
@@ -152,7 +178,7 @@ mod tests {
     fn default_ddl_is_the_migration() {
         assert_eq!(
             create_table_sql(&OutboxTable::DEFAULT).replace('"', ""),
-            UP_SQL.trim_end()
+            format!("{UP_SQL}{READY_SQL}").trim_end()
         );
     }
 
@@ -163,6 +189,10 @@ mod tests {
         assert!(!sql.contains("TABLE outbox"), "{sql}");
         assert!(
             sql.contains(r#"CREATE INDEX "ev_unpublished" ON "s"."ev" (seq)"#),
+            "{sql}"
+        );
+        assert!(
+            sql.contains(r#"CREATE INDEX "ev_ready" ON "s"."ev" (seq)"#),
             "{sql}"
         );
         assert!(

@@ -32,7 +32,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 use crate::RelayConfig;
 use crate::lease::Lease;
 use crate::metrics as m;
-use crate::pipeline::{BatchEnd, Pipeline};
+use crate::pipeline::Pipeline;
 use crate::relay::{Backoff, Health, idle, listen, retire, settle};
 
 pub(crate) struct Ordered {
@@ -112,7 +112,6 @@ impl Ordered {
         }
         let mut next_balance = Instant::now();
         let mut warned_conflict = false;
-        let mut held_back: Vec<String> = Vec::new();
         let mut holding = Holding {
             pipe: Pipeline::new(&self.js, cfg, &lease, &self.health, &self.shutdown),
             held: BTreeSet::new(),
@@ -122,8 +121,6 @@ impl Ordered {
             if Instant::now() >= next_balance {
                 self.balance(conn, me.pid, owned, &mut holding, &mut warned_conflict)
                     .await?;
-                // parked rows change when this relay parks one, or when `retry` releases one
-                held_back = db::held_back_aggregates(conn, table).await?;
                 next_balance = Instant::now() + cfg.standby_interval;
             }
             if owned.is_empty() {
@@ -148,12 +145,12 @@ impl Ordered {
             let queries = async {
                 let started = Instant::now();
                 let marked = retire(conn, cfg, &to_mark).await?;
-                let rows = db::fetch_partitions_excluding(
+                // rows behind a parked row of their aggregate are held back, not returned
+                let rows = db::fetch_ready(
                     conn,
                     table,
                     &partitions,
                     cfg.partitions,
-                    &held_back,
                     &exclude,
                     cfg.batch_size as i64,
                 )
@@ -175,12 +172,8 @@ impl Ordered {
                 // was sent is acked and marked, the rest is fetched again
                 holding.flush(conn).await?;
                 let end = holding.pipe.take_end();
-                let parked = matches!(end, BatchEnd::RowFailed { .. });
                 if !settle(conn, cfg, end, backoff, &self.shutdown).await? {
                     break;
-                }
-                if parked {
-                    held_back = db::held_back_aggregates(conn, table).await?;
                 }
                 continue;
             }
