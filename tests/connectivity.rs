@@ -539,7 +539,7 @@ async fn leader_kills(kills: usize) {
         for _ in 0..kills {
             let resumed = kill_the_leader(&mut cluster, &stream).await;
             eprintln!("{mode}: publishing again {resumed:?} after the stream leader was killed");
-            cluster.wait_ready();
+            cluster.wait_stream_current(&stream.name).await;
         }
         // a follower restarted, then the whole cluster
         let leader = cluster
@@ -550,7 +550,7 @@ async fn leader_kills(kills: usize) {
             .find(|i| cluster.index_of(&leader) != Some(*i))
             .unwrap_or(0);
         cluster.restart(follower);
-        cluster.wait_ready();
+        cluster.wait_stream_current(&stream.name).await;
         let before = stream_last_seq(&cluster, &stream).await;
         let stopped = std::time::Instant::now();
         cluster.restart_all();

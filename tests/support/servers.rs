@@ -545,16 +545,38 @@ impl NatsCluster {
                 .expect("runtime");
             rt.block_on(async move {
                 let start = Instant::now();
-                while start.elapsed() < Duration::from_secs(30) {
+                // ready when a stream on every running node can be made and takes a message
+                let replicas = urls.len();
+                while start.elapsed() < Duration::from_secs(60) {
                     if let Ok(c) = super::nats_connect(&urls.join(",")).await {
                         let js = async_nats::jetstream::new(c);
-                        if let Ok(Ok(_)) =
-                            tokio::time::timeout(Duration::from_secs(2), js.query_account()).await
-                        {
+                        let name = format!("PROBE_{}", uuid::Uuid::now_v7().simple());
+                        let probe = async {
+                            js.create_stream(async_nats::jetstream::stream::Config {
+                                name: name.clone(),
+                                subjects: vec![format!("probe.{name}")],
+                                num_replicas: replicas,
+                                storage: async_nats::jetstream::stream::StorageType::Memory,
+                                ..Default::default()
+                            })
+                            .await
+                            .ok()?;
+                            let ack = js.publish(format!("probe.{name}"), "x".into()).await.ok()?;
+                            ack.await.ok()
+                        };
+                        let ok = tokio::time::timeout(Duration::from_secs(3), probe)
+                            .await
+                            .ok()
+                            .flatten()
+                            .is_some();
+                        let _ =
+                            tokio::time::timeout(Duration::from_secs(2), js.delete_stream(&name))
+                                .await;
+                        if ok {
                             return true;
                         }
                     }
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    tokio::time::sleep(Duration::from_millis(200)).await;
                 }
                 false
             })
@@ -565,6 +587,32 @@ impl NatsCluster {
             ready,
             "the NATS cluster has no JetStream meta leader after 30 s"
         );
+    }
+
+    /// Waits (up to 60 s) until `stream` has a leader and every other node is a current
+    /// replica of it.
+    pub async fn wait_stream_current(&self, stream: &str) {
+        let urls: Vec<String> = (0..self.nodes.len()).map(|i| self.url(i)).collect();
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(60) {
+            let current = async {
+                let client = super::nats_connect(&urls.join(",")).await.ok()?;
+                let js = async_nats::jetstream::new(client);
+                let mut s = js.get_stream(stream).await.ok()?;
+                let info = s.info().await.ok()?;
+                let cluster = info.cluster.as_ref()?;
+                Some(
+                    cluster.leader.is_some()
+                        && cluster.replicas.len() + 1 == self.nodes.len()
+                        && cluster.replicas.iter().all(|r| r.current && !r.offline),
+                )
+            };
+            if let Ok(Some(true)) = tokio::time::timeout(Duration::from_secs(3), current).await {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        panic!("stream {stream} has no current replica set after 60 s");
     }
 
     /// The name of `stream`'s current leader node, if it has one.
