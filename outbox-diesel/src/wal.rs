@@ -1063,7 +1063,8 @@ impl WalReader {
                     tracing::debug!(slot = %self.slot, lsn = %self.acked, "replication stream started");
                     return Ok(());
                 }
-                Err(e) if e.to_string().contains("is active for PID") && tries < 50 => {
+                // object_in_use: the slot's previous sender has not ended yet
+                Err(e) if server_sqlstate(&e) == Some("55006") && tries < 50 => {
                     tries += 1;
                     end_stale_sender(conn, &self.slot).await?;
                     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -1093,11 +1094,12 @@ impl WalReader {
 
     fn connection_error(&self, e: pgwire_replication::PgWireError) -> WalError {
         let reason = e.to_string();
-        if reason.contains("permission denied")
-            || reason.contains("must be superuser or replication role")
-            || reason.contains("replication connection")
-            || reason.contains("pg_hba.conf")
-        {
+        // insufficient_privilege (no REPLICATION) or an invalid authorization (pg_hba.conf,
+        // credentials): retrying cannot fix them. Decided on the code, which does not change
+        // with the server's lc_messages.
+        let refused = matches!(e, pgwire_replication::PgWireError::Auth(_))
+            || matches!(server_sqlstate(&e), Some(code) if code == "42501" || code.starts_with("28"));
+        if refused {
             WalError::ReplicationConnection {
                 slot: self.slot.clone(),
                 reason,
@@ -1208,6 +1210,16 @@ fn is_permission_error(e: &DieselError) -> bool {
         }
         _ => false,
     }
+}
+
+/// The SQLSTATE of an error the server sent on the replication connection, which
+/// `pgwire-replication` appends to the message as `(SQLSTATE XXXXX)`.
+fn server_sqlstate(e: &pgwire_replication::PgWireError) -> Option<&str> {
+    let pgwire_replication::PgWireError::Server(text) = e else {
+        return None;
+    };
+    let code = text.rsplit_once("(SQLSTATE ")?.1.strip_suffix(')')?;
+    (code.len() == 5 && code.bytes().all(|b| b.is_ascii_alphanumeric())).then_some(code)
 }
 
 /// Tries to take the session advisory lock that makes this connection the one reader of
@@ -1425,6 +1437,27 @@ mod tests {
         assert_eq!(t.to_rfc3339(), "2026-12-01T10:00:00.123456+00:00");
         let t = parse_timestamptz("2026-12-01 10:00:00+05:30").expect("ts");
         assert_eq!(t.to_rfc3339(), "2026-12-01T04:30:00+00:00");
+    }
+
+    #[test]
+    fn replication_errors_are_decided_on_their_sqlstate_in_any_language() {
+        use pgwire_replication::PgWireError;
+        let busy = PgWireError::Server(
+            "Replikations-Slot »s« ist aktiv für PID 4711 (SQLSTATE 55006)".into(),
+        );
+        assert_eq!(server_sqlstate(&busy), Some("55006"));
+        let denied = PgWireError::Server(
+            "doit être super-utilisateur ou avoir l'attribut REPLICATION (SQLSTATE 42501)".into(),
+        );
+        assert_eq!(server_sqlstate(&denied), Some("42501"));
+        assert_eq!(
+            server_sqlstate(&PgWireError::Server("no code".into())),
+            None
+        );
+        assert_eq!(
+            server_sqlstate(&PgWireError::Protocol("x (SQLSTATE 55006)".into())),
+            None
+        );
     }
 
     #[test]
