@@ -1049,3 +1049,69 @@ async fn retry_releases_the_rows_held_back_behind_a_parked_one_in_order() {
         .collect();
     assert_eq!(acct0, vec![0, 0, 3, 6, 9, 12, 15, 18, 21, 24, 27]);
 }
+
+// ---------------------------------------------------------------------------------------------
+// 11. byte-bounded batches: a batch of 500 rows of large payloads is hundreds of MiB
+
+/// The relay's peak resident memory (`VmHWM`) in bytes.
+fn peak_rss(pid: i32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// 40 rows of 900 KB payloads (36 MB) drained by a relay with a 1 MiB budget: it peaks far
+/// below what one 40-row batch takes (about 92 MiB without a budget), in both polling modes.
+async fn large_payloads_stay_within_the_budget(mode: &str) -> u64 {
+    let db = TestDb::new();
+    let stream = TestStream::new();
+    diesel::sql_query(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), 'blob', 'b-' || i, 'blob.stored', \
+         jsonb_build_object('n', i, 'data', repeat(md5(i::text), 28125)) \
+         FROM generate_series(1, 40) AS i",
+    )
+    .execute(&mut db.conn())
+    .expect("insert rows");
+    let mut cmd = relay_command(&db, &stream, &["--mode", mode, "--no-cleanup"]);
+    // an environment variable, so that a relay without the flag runs too (and shows the peak)
+    cmd.env("OUTBOX_MAX_BATCH_BYTES", (1u64 << 20).to_string());
+    let relay = Relay::start(cmd);
+    let pid = relay.proc.pid();
+    let mut peak = 0;
+    let start = std::time::Instant::now();
+    while unpublished(&db) > 0 {
+        peak = peak.max(peak_rss(pid));
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "not drained; log:\n{}",
+            relay.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    peak = peak.max(peak_rss(pid));
+    assert_eq!(stream.count().await, 40);
+    assert_eq!(parked(&db), 0, "log:\n{}", relay.logs());
+    peak
+}
+
+#[tokio::test]
+async fn an_ordered_relay_holds_large_payloads_within_its_byte_budget() {
+    let peak = large_payloads_stay_within_the_budget("ordered").await;
+    println!("ordered relay peak RSS: {:.1} MiB", peak as f64 / 1048576.0);
+    assert!(peak < 48 << 20, "peak RSS {peak} bytes");
+}
+
+#[tokio::test]
+async fn unordered_workers_hold_large_payloads_within_their_byte_budget() {
+    let peak = large_payloads_stay_within_the_budget("unordered").await;
+    println!(
+        "unordered relay peak RSS: {:.1} MiB",
+        peak as f64 / 1048576.0
+    );
+    // four workers, four connections and their allocator caches
+    assert!(peak < 64 << 20, "peak RSS {peak} bytes");
+}

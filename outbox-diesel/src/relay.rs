@@ -103,6 +103,9 @@ struct FetchBatch<'a> {
     /// add the column `held`: whether an earlier row of the row's aggregate is parked (or
     /// held), evaluated for the returned rows alone
     flag_held: bool,
+    /// stop once the payloads (as their JSON text) reach this many bytes; the first row is
+    /// always taken
+    max_bytes: Option<i64>,
 }
 
 impl QueryId for FetchBatch<'_> {
@@ -116,10 +119,19 @@ impl Query for FetchBatch<'_> {
 
 impl QueryFragment<Pg> for FetchBatch<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        out.push_sql(
-            "SELECT o.seq, o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload, \
-             o.headers, o.created_at, o.attempts",
-        );
+        const COLUMNS: &str = "o.seq, o.id, o.aggregate_type, o.aggregate_id, o.event_type, \
+                               o.payload, o.headers, o.created_at, o.attempts";
+        let held = if self.flag_held { ", o.held" } else { "" };
+        if self.max_bytes.is_some() {
+            // the rows in `seq` order, each with the bytes of the payloads before it; a row is
+            // taken while those stay under the budget
+            out.push_sql(&format!(
+                "SELECT {COLUMNS}{held} FROM (SELECT {COLUMNS}{held}, \
+                 COALESCE(sum(octet_length(o.payload::text)) OVER (ORDER BY o.seq \
+                 ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before FROM ("
+            ));
+        }
+        out.push_sql(&format!("SELECT {COLUMNS}"));
         if self.flag_held {
             out.push_sql(", EXISTS (SELECT 1 FROM ");
             self.table.walk_ast(&mut out)?;
@@ -157,6 +169,11 @@ impl QueryFragment<Pg> for FetchBatch<'_> {
         if self.skip_locked {
             out.push_sql(" FOR UPDATE SKIP LOCKED");
         }
+        if let Some(max_bytes) = &self.max_bytes {
+            out.push_sql(") o) o WHERE o.before < ");
+            out.push_bind_param::<BigInt, _>(max_bytes)?;
+            out.push_sql(" ORDER BY o.seq");
+        }
         Ok(())
     }
 }
@@ -186,13 +203,18 @@ pub async fn fetch_partitions(
     held_back: &[String],
     limit: i64,
 ) -> QueryResult<Vec<OutboxRow>> {
-    fetch_partitions_excluding(conn, table, partitions, count, held_back, &[], limit).await
+    fetch_partitions_excluding(conn, table, partitions, count, held_back, &[], limit, None).await
 }
 
 /// [`fetch_partitions`] leaving out the rows `exclude` (by `seq`): a relay that keeps
 /// publishing while it fetches passes the rows it already holds, sent and not yet marked. Each
 /// fetch reads from the oldest unpublished row, so a row that committed late, after later
 /// ones were fetched, is found by the next fetch, in `seq` order with the rows after it.
+///
+/// With `max_bytes`, it stops once the payloads taken (as their JSON text) reach that many
+/// bytes: the first row always, each further one while the payloads before it stay under the
+/// budget. So a batch holds at most `max_bytes` plus one payload whatever the payloads' sizes.
+#[allow(clippy::too_many_arguments)]
 #[tracing::instrument(name = "outbox.claim", level = "debug", skip_all, fields(outbox.table = %table, outbox.partitions = partitions.len(), outbox.held = exclude.len()))]
 pub async fn fetch_partitions_excluding(
     conn: &mut AsyncPgConnection,
@@ -202,6 +224,7 @@ pub async fn fetch_partitions_excluding(
     held_back: &[String],
     exclude: &[i64],
     limit: i64,
+    max_bytes: Option<i64>,
 ) -> QueryResult<Vec<OutboxRow>> {
     if partitions.is_empty() {
         return Ok(Vec::new());
@@ -215,6 +238,7 @@ pub async fn fetch_partitions_excluding(
         exclude,
         skip_locked: false,
         flag_held: false,
+        max_bytes,
     }
     .load(conn)
     .await
@@ -234,7 +258,8 @@ struct Fetched {
 /// '-infinity'` (see [`hold_back`]) the first time a poll meets it. The poll's index
 /// (`outbox_ready`: unpublished, not parked, not held) then no longer holds it, so a poll costs
 /// the same whatever number of rows wait behind a parked one. [`retry_parked`] releases them
-/// with the parked row. Traced as the span `outbox.claim`.
+/// with the parked row. `max_bytes` bounds the batch's payloads as in
+/// [`fetch_partitions_excluding`]. Traced as the span `outbox.claim`.
 #[tracing::instrument(name = "outbox.claim", level = "debug", skip_all, fields(outbox.table = %table, outbox.partitions = partitions.len(), outbox.held = exclude.len()))]
 pub async fn fetch_ready(
     conn: &mut AsyncPgConnection,
@@ -243,6 +268,7 @@ pub async fn fetch_ready(
     count: u32,
     exclude: &[i64],
     limit: i64,
+    max_bytes: Option<i64>,
 ) -> QueryResult<Vec<OutboxRow>> {
     if partitions.is_empty() {
         return Ok(Vec::new());
@@ -256,6 +282,7 @@ pub async fn fetch_ready(
         exclude,
         skip_locked: false,
         flag_held: true,
+        max_bytes,
     }
     .load(conn)
     .await?;
@@ -367,12 +394,15 @@ pub async fn prepare_session(conn: &mut AsyncPgConnection) -> QueryResult<()> {
 
 /// For competing workers, inside a transaction: locks and returns up to `limit` unpublished,
 /// unparked rows, oldest first, skipping rows other workers hold. Order across workers is not
-/// kept. Traced as the span `outbox.claim`.
+/// kept. With `max_bytes`, it returns rows only while their payloads stay within that budget
+/// (as [`fetch_partitions_excluding`] does); the rows it locked and did not return stay locked
+/// until the transaction ends. Traced as the span `outbox.claim`.
 #[tracing::instrument(name = "outbox.claim", level = "debug", skip_all, fields(outbox.table = %table))]
 pub async fn claim_unpublished(
     conn: &mut AsyncPgConnection,
     table: &OutboxTable,
     limit: i64,
+    max_bytes: Option<i64>,
 ) -> QueryResult<Vec<OutboxRow>> {
     FetchBatch {
         table,
@@ -383,6 +413,7 @@ pub async fn claim_unpublished(
         exclude: &[],
         skip_locked: true,
         flag_held: false,
+        max_bytes,
     }
     .load(conn)
     .await
@@ -747,6 +778,7 @@ pub async fn explain_poll(
         exclude: &[],
         skip_locked: false,
         flag_held: true,
+        max_bytes: None,
     };
     let lines: Vec<PlanLine> = Explain(fetch).load(conn).await?;
     Ok(lines.into_iter().map(|l| l.line).collect())
@@ -775,6 +807,7 @@ pub async fn explain_poll_analyze(
         exclude: &[],
         skip_locked: false,
         flag_held: true,
+        max_bytes: None,
     };
     let lines: Vec<PlanLine> = ExplainAnalyze(fetch).load(conn).await?;
     Ok(lines.into_iter().map(|l| l.line).collect())

@@ -74,6 +74,11 @@ pub struct RelayConfig {
     pub batch_size: usize,
     /// Unacked publishes in flight at most (default 512).
     pub max_in_flight: usize,
+    /// Payload bytes a batch holds at most (default 8 MiB; polling modes): a query stops
+    /// taking rows once their payloads (as their JSON text) reach it, and always takes one.
+    /// The relay holds about three batches (two per worker in unordered mode), so this bounds
+    /// its memory for any payload mix, as `batch_size` alone does not.
+    pub max_batch_bytes: usize,
     /// How often an idle relay polls (default 100 ms); `NOTIFY` wakes it sooner.
     pub poll_interval: Duration,
     /// Whether to `LISTEN` for the recording side's `NOTIFY` (default on).
@@ -146,6 +151,7 @@ impl RelayConfig {
             lease: Duration::from_secs(15),
             batch_size: 500,
             max_in_flight: 512,
+            max_batch_bytes: 8 << 20,
             poll_interval: Duration::from_millis(100),
             listen: true,
             duplicate_window: Duration::from_secs(120),
@@ -306,6 +312,20 @@ impl RelayConfig {
         self
     }
 
+    /// Sets [`RelayConfig::max_batch_bytes`].
+    pub fn max_batch_bytes(mut self, bytes: usize) -> Self {
+        self.max_batch_bytes = bytes;
+        self
+    }
+
+    /// The rows to ask for next: `batch_size`, or fewer when the last rows were large, so
+    /// that a query reads about twice the byte budget rather than `batch_size` large payloads
+    /// (the budget itself is enforced by the query).
+    pub(crate) fn rows_for(&self, average_payload: usize) -> i64 {
+        let fit = 2 * self.max_batch_bytes / average_payload.max(1);
+        fit.clamp(1, self.batch_size) as i64
+    }
+
     /// Sets [`RelayConfig::poll_interval`].
     pub fn poll_interval(mut self, d: Duration) -> Self {
         self.poll_interval = d;
@@ -399,6 +419,9 @@ impl RelayConfig {
                 "--partitions {} is out of range 1..={max}: each partition is an advisory lock in PostgreSQL's shared lock table",
                 self.partitions
             ));
+        }
+        if self.max_batch_bytes == 0 || self.max_batch_bytes > i64::MAX as usize {
+            return Err("--max-batch-bytes must be above 0".into());
         }
         if self.batch_size == 0 || self.max_in_flight == 0 {
             return Err("--batch-size and the in-flight window must be at least 1".into());

@@ -112,6 +112,7 @@ impl Ordered {
         }
         let mut next_balance = Instant::now();
         let mut warned_conflict = false;
+        let mut average_payload = 0;
         let mut holding = Holding {
             pipe: Pipeline::new(&self.js, cfg, &lease, &self.health, &self.shutdown),
             held: BTreeSet::new(),
@@ -152,7 +153,8 @@ impl Ordered {
                     &partitions,
                     cfg.partitions,
                     &exclude,
-                    cfg.batch_size as i64,
+                    cfg.rows_for(average_payload),
+                    Some(cfg.max_batch_bytes as i64),
                 )
                 .await?;
                 lease.confirm(started);
@@ -166,6 +168,7 @@ impl Ordered {
             let fetched = fetched?;
             if !fetched.is_empty() {
                 metrics::histogram!(m::BATCH_ROWS).record(fetched.len() as f64);
+                average_payload = average_payload_len(&fetched);
             }
             if pipe.stopped() || self.shutdown.is_cancelled() {
                 // a failed publish, a lease in doubt, or shutdown: nothing more is sent; what
@@ -312,6 +315,12 @@ impl Ordered {
         }
         Ok(())
     }
+}
+
+/// The average payload length of `rows`, to size the next query.
+pub(crate) fn average_payload_len(rows: &[OutboxRow]) -> usize {
+    let total: usize = rows.iter().map(|r| r.payload.as_str().len()).sum();
+    total / rows.len().max(1)
 }
 
 /// What a relay holds between steps: the pipeline, the rows fetched and not retired yet

@@ -67,13 +67,23 @@ impl Unordered {
         if cfg.listen {
             listen(conn, &cfg.table).await?;
         }
+        let mut average_payload = 0;
         while !self.shutdown.is_cancelled() {
             let (js, shutdown, lease, health) = (&self.js, &self.shutdown, &lease, &*self.health);
+            let average_payload = &mut average_payload;
             let end = conn
                 .transaction(async |conn| {
                     let started = Instant::now();
-                    let rows =
-                        db::claim_unpublished(conn, &cfg.table, cfg.batch_size as i64).await?;
+                    let rows = db::claim_unpublished(
+                        conn,
+                        &cfg.table,
+                        cfg.rows_for(*average_payload),
+                        Some(cfg.max_batch_bytes as i64),
+                    )
+                    .await?;
+                    if !rows.is_empty() {
+                        *average_payload = crate::ordered::average_payload_len(&rows);
+                    }
                     lease.confirm(started);
                     if rows.is_empty() {
                         return Ok::<_, diesel::result::Error>(None);

@@ -172,6 +172,11 @@ struct RunArgs {
     /// Unacked publishes in flight at most.
     #[arg(long, env = "OUTBOX_MAX_IN_FLIGHT", default_value_t = 512)]
     max_in_flight: usize,
+    /// Payload bytes a batch holds at most (polling modes): a query stops taking rows once
+    /// their payloads reach it (one row is always taken). Bounds the relay's memory at about
+    /// three batches (two per unordered worker) for any payload size.
+    #[arg(long, env = "OUTBOX_MAX_BATCH_BYTES", default_value_t = 8 << 20)]
+    max_batch_bytes: usize,
     /// How often an idle relay polls (`250ms`, `5s`).
     #[arg(long, env = "OUTBOX_POLL_INTERVAL", default_value = "100ms", value_parser = humantime::parse_duration)]
     poll_interval: Duration,
@@ -369,6 +374,7 @@ async fn run(args: RunArgs) -> ExitCode {
     config.workers = args.workers;
     config = config.lease(args.lease);
     config.max_in_flight = args.max_in_flight;
+    config.max_batch_bytes = args.max_batch_bytes;
     config.max_attempts = args.max_attempts;
     config.stall_after = args.stall_after;
     config.stats_interval = args.stats_interval;
