@@ -24,12 +24,13 @@
 //! `OUTBOX_STREAM` (default `OUTBOX`), `--name` / `CONSUMER_NAME` (the durable consumer,
 //! default `shop-consumer`), `--filter` / `CONSUMER_FILTER` (default `outbox.>`). Two runs with
 //! the same `--name` share the work; different names each see every event. Stop with Ctrl-C.
+//!
+//! The events go to stdout, one line each; logs and messages go to stderr.
 
 use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Parser;
-use diesel::{Connection, PgConnection};
 use diesel_async::AsyncPgConnection;
 use outbox_diesel::OutboxEvent;
 use outbox_nats::consumer::{Consumer, ConsumerConfig, Delivery};
@@ -97,10 +98,16 @@ enum OrderEvent {
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    // logs go to stderr (colours only on a terminal, and not with NO_COLOR); the events, the
+    // data, go to stdout
+    let colour = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
+        .with_ansi(colour)
+        .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
     match run(args).await {
@@ -113,7 +120,12 @@ async fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
-    prepare_database(&args.database_url)?;
+    let url = args.database_url.clone();
+    tokio::task::spawn_blocking(move || {
+        database::prepare(&url, "CONSUMER_DATABASE_URL", &[TALLY_DDL])
+    })
+    .await
+    .context("database set-up task")??;
     let mut nats = NatsOptions::new(args.nats_url.clone());
     nats.name = Some(args.name.clone());
     let nats = nats.connect().await.with_context(|| {
@@ -131,7 +143,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         let _ = tokio::signal::ctrl_c().await;
         stop.cancel();
     });
-    println!(
+    eprintln!(
         "consuming {} ({}) as {}; Ctrl-C to stop",
         args.stream, args.filter, args.name
     );
@@ -156,7 +168,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             },
         )
         .await?;
-    println!("consumer stopped");
+    eprintln!("consumer stopped");
     Ok(())
 }
 
@@ -168,29 +180,9 @@ fn order_id(e: &OrderEvent) -> i64 {
     }
 }
 
-/// Creates the consumer's database when missing, with the inbox and the tally.
-fn prepare_database(url: &str) -> anyhow::Result<()> {
-    use diesel::RunQueryDsl;
-    let (server, name) = url
-        .rsplit_once('/')
-        .context("DATABASE_URL has no database name")?;
-    let name = name.split('?').next().unwrap_or(name);
-    let missing = |e: &dyn std::fmt::Display| {
-        format!(
-            "cannot reach PostgreSQL at {}: {e}; start PostgreSQL or set CONSUMER_DATABASE_URL",
-            redact_url(server)
-        )
-    };
-    if PgConnection::establish(url).is_err() {
-        let mut admin = PgConnection::establish(&format!("{server}/postgres"))
-            .map_err(|e| anyhow::anyhow!(missing(&e)))?;
-        diesel::sql_query(format!("CREATE DATABASE \"{}\"", name.replace('"', "\"\"")))
-            .execute(&mut admin)?;
-    }
-    let mut conn = PgConnection::establish(url).map_err(|e| anyhow::anyhow!(missing(&e)))?;
-    outbox_diesel::run_migrations(&mut conn)
-        .map_err(|e| anyhow::anyhow!("migrating {name}: {e}"))?;
-    diesel::sql_query("CREATE TABLE IF NOT EXISTS order_tally (order_id bigint PRIMARY KEY, events bigint NOT NULL)")
-        .execute(&mut conn)?;
-    Ok(())
-}
+#[path = "support/database.rs"]
+mod database;
+
+/// The per-order tally, created beside the inbox.
+const TALLY_DDL: &str =
+    "CREATE TABLE IF NOT EXISTS order_tally (order_id bigint PRIMARY KEY, events bigint NOT NULL)";

@@ -422,8 +422,12 @@ async fn main() -> ExitCode {
     let args = Args::parse();
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // colours only on a terminal, and not with NO_COLOR
+    let colour = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(colour)
         .with_writer(std::io::stderr)
         .init();
     match run(args).await {
@@ -447,7 +451,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     })?;
 
     let url = args.database_url.clone();
-    tokio::task::spawn_blocking(move || database::prepare(&url))
+    tokio::task::spawn_blocking(move || database::prepare(&url, "DATABASE_URL", &[ORDERS_DDL]))
         .await
         .context("database set-up task")??;
     let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new(&args.database_url);
@@ -509,115 +513,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
 }
 
-mod database {
-    //! The synchronous set-up: create the database when missing, then the tables.
-
-    use anyhow::{anyhow, bail};
-    use diesel::prelude::*;
-
-    /// `url` with its password (not its user name) replaced by `***`.
-    pub fn display_url(url: &str) -> String {
-        let Some(start) = url.find("://").map(|i| i + 3) else {
-            return url.to_owned();
-        };
-        let Some(at) = url[start..].rfind('@').map(|i| start + i) else {
-            return url.to_owned();
-        };
-        match url[start..at].split_once(':') {
-            Some((user, _password)) => format!("{}{user}:***{}", &url[..start], &url[at..]),
-            None => url.to_owned(),
-        }
-    }
-
-    pub fn prepare(url: &str) -> anyhow::Result<()> {
-        let mut conn = match PgConnection::establish(&with_connect_timeout(url)) {
-            Ok(conn) => conn,
-            Err(e) if is_missing_database(&e) => {
-                create_database(url)?;
-                PgConnection::establish(&with_connect_timeout(url))
-                    .map_err(|e| unreachable(url, &e))?
-            }
-            Err(e) => return Err(unreachable(url, &e)),
-        };
-        outbox_diesel::run_migrations(&mut conn)
-            .map_err(|e| anyhow!("cannot apply the outbox migration: {e}"))?;
-        diesel::sql_query(super::ORDERS_DDL)
-            .execute(&mut conn)
-            .map_err(|e| anyhow!("cannot create the orders table: {e}"))?;
-        Ok(())
-    }
-
-    fn create_database(url: &str) -> anyhow::Result<()> {
-        let Some((name, maintenance)) = split_database(url) else {
-            bail!(
-                "DATABASE_URL {} names no database; add one: .../outbox_shop",
-                display_url(url)
-            );
-        };
-        let mut admin = PgConnection::establish(&with_connect_timeout(&maintenance))
-            .map_err(|e| unreachable(&maintenance, &e))?;
-        let quoted = format!("\"{}\"", name.replace('"', "\"\""));
-        match diesel::sql_query(format!("CREATE DATABASE {quoted}")).execute(&mut admin) {
-            Ok(_) => {
-                tracing::info!(database = %name, "created the database");
-                Ok(())
-            }
-            // another process created it meanwhile
-            Err(e) if e.to_string().contains("already exists") => Ok(()),
-            Err(e) => bail!(
-                "the database {name} does not exist and cannot be created: {e}. Create it \
-                 (createdb {name}) or set DATABASE_URL to one that exists"
-            ),
-        }
-    }
-
-    fn is_missing_database(e: &ConnectionError) -> bool {
-        let m = e.to_string();
-        m.contains("database") && m.contains("does not exist")
-    }
-
-    fn unreachable(url: &str, e: &ConnectionError) -> anyhow::Error {
-        let reason = e.to_string();
-        let reason = reason
-            .lines()
-            .next()
-            .unwrap_or_default()
-            .trim()
-            .trim_end_matches('.');
-        anyhow!(
-            "cannot reach PostgreSQL at {}: {reason}.\n  Start PostgreSQL there, or set \
-             DATABASE_URL=postgres://USER[:PASSWORD]@HOST:PORT/DATABASE \
-             (default postgres://postgres@127.0.0.1:5432/outbox_shop)",
-            display_url(url)
-        )
-    }
-
-    /// `(database, url of the `postgres` database on the same server)`.
-    fn split_database(url: &str) -> Option<(String, String)> {
-        let after_scheme = url.find("://")? + 3;
-        let path = after_scheme + url[after_scheme..].find('/')?;
-        let end = url[path..].find('?').map_or(url.len(), |q| path + q);
-        let name = &url[path + 1..end];
-        if name.is_empty() {
-            return None;
-        }
-        Some((
-            name.to_owned(),
-            format!("{}/postgres{}", &url[..path], &url[end..]),
-        ))
-    }
-
-    /// libpq waits forever for a host that drops packets; give up after 10 s instead.
-    fn with_connect_timeout(url: &str) -> String {
-        if url.contains("connect_timeout=") {
-            url.to_owned()
-        } else if url.contains('?') {
-            format!("{url}&connect_timeout=10")
-        } else {
-            format!("{url}?connect_timeout=10")
-        }
-    }
-}
+#[path = "support/database.rs"]
+mod database;
 
 async fn connect_nats(url: &str) -> anyhow::Result<async_nats::Client> {
     let hint = "Start nats-server with JetStream (`nats-server -js`), or set NATS_URL=nats://HOST:PORT \
@@ -697,24 +594,31 @@ fn print_guide(args: &Args) {
             args.stream, args.subject_prefix
         )
     };
+    let place = format!(
+        "curl -s -X POST {base}/orders -H 'content-type: application/json' \\\n       \
+         -d '{{\"customer\":\"ada\",\"items\":[{{\"sku\":\"tea\",\"quantity\":2,\"price_cents\":450}}]}}'"
+    );
+    // the commands work as printed, in this order, whatever orders exist already: each one
+    // uses the id the placing request returned
     println!(
         "\
 shop listening on {base}
   database {db}, NATS {nats}, stream {stream} (subjects {prefix}.order.<id>)
 
-Place an order:
-  curl -s -X POST {base}/orders -H 'content-type: application/json' \\
-       -d '{{\"customer\":\"ada\",\"items\":[{{\"sku\":\"tea\",\"quantity\":2,\"price_cents\":450}}]}}'
-Pay it, or cancel it (use the id it returned):
-  curl -s -X POST {base}/orders/1/pay
-  curl -s -X POST {base}/orders/1/cancel -H 'content-type: application/json' -d '{{\"reason\":\"changed my mind\"}}'
+Try it in another terminal (the shop keeps serving until Ctrl-C); run these in order:
+Place an order and pay it:
+  ID=$({place} | grep -o '\"id\":[0-9]*' | cut -d: -f2)
+  curl -s -w '\\n' -X POST {base}/orders/$ID/pay
+Place another and cancel it (only a placed order can be paid or cancelled):
+  ID=$({place} | grep -o '\"id\":[0-9]*' | cut -d: -f2)
+  curl -s -w '\\n' -X POST {base}/orders/$ID/cancel -H 'content-type: application/json' -d '{{\"reason\":\"changed my mind\"}}'
 Read it:
-  curl -s {base}/orders/1
+  curl -s -w '\\n' {base}/orders/$ID
 Watch the events, in another terminal:
   {consumer}
-Stop with Ctrl-C.
+Stop the shop with Ctrl-C.
 ",
-        db = database::display_url(&args.database_url),
+        db = redact_url(&args.database_url),
         nats = redact_url(&args.nats_url),
         stream = args.stream,
         prefix = args.subject_prefix,

@@ -326,3 +326,212 @@ fn unreachable_nats_exits_non_zero_naming_nats_url() {
         "{output}"
     );
 }
+
+/// Issue 21: after `--demo` (which pays and cancels orders 1-3 of a new database), the
+/// commands the shop printed still work when pasted as printed, in order.
+#[tokio::test]
+async fn the_printed_curl_commands_work_as_printed_after_the_demo() {
+    use std::io::BufRead;
+    let (db, stream, addr) = (ShopDb::new(), TestStream::new(), local_addr());
+    let mut shop = Proc::spawn(
+        "shop",
+        shop_command(&db.url, &stream.nats_url, &stream, addr)
+            .arg("--demo")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null()),
+    );
+    let stdout = shop.child.stdout.take().expect("stdout");
+    let (lines_tx, lines) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if lines_tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut printed = Vec::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !printed.iter().any(|l: &String| l.starts_with("demo: done")) {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match lines.recv_timeout(left) {
+            Ok(line) => printed.push(line),
+            Err(_) => panic!("the demo did not finish; printed:\n{}", printed.join("\n")),
+        }
+    }
+    // the commands: the indented lines between "Try it" and "Watch the events"
+    let from = printed
+        .iter()
+        .position(|l| l.starts_with("Try it in another terminal"))
+        .expect("the guide");
+    let script: Vec<&str> = printed[from..]
+        .iter()
+        .take_while(|l| !l.starts_with("Watch the events"))
+        .filter(|l| l.starts_with("  "))
+        .map(String::as_str)
+        .collect();
+    assert!(script.len() >= 5, "{printed:#?}");
+    let out = Command::new("sh")
+        .arg("-ec")
+        .arg(script.join("\n"))
+        .output()
+        .expect("run the printed commands with sh");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let responses: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    let statuses: Vec<&str> = responses
+        .iter()
+        .map(|r| r["status"].as_str().unwrap_or("no status"))
+        .collect();
+    assert_eq!(statuses, ["paid", "cancelled", "cancelled"], "{text}");
+    // the demo's orders were 1-3: the printed commands made new ones
+    assert!(
+        responses.iter().all(|r| r["id"].as_i64() > Some(3)),
+        "{text}"
+    );
+    shop.signal("TERM");
+    assert_eq!(shop.wait_exit(Duration::from_secs(20)), Some(0));
+}
+
+/// The consumer example with a clean environment: its own database `url`, the stream's NATS,
+/// name and prefix.
+fn consumer_command(url: &str, stream: &TestStream) -> Command {
+    let mut cmd = Command::new(example_bin("consumer"));
+    cmd.env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("RUST_LOG", "info")
+        .env("CONSUMER_DATABASE_URL", url)
+        .env("NATS_URL", &stream.nats_url)
+        .env("OUTBOX_STREAM", &stream.name)
+        .env("CONSUMER_FILTER", format!("{}.>", stream.prefix));
+    cmd
+}
+
+/// Reads a child's pipe line by line on a thread of its own.
+fn lines_of(pipe: impl Read + Send + 'static) -> std::sync::mpsc::Receiver<String> {
+    use std::io::BufRead;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(pipe).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// Issue 21: two consumers started at the same moment (the README says two runs with one
+/// name share the work) both create-if-missing one database; neither may fail. Their events
+/// go to stdout, their logs to stderr, without colour codes when not on a terminal.
+#[tokio::test]
+async fn two_consumers_started_together_share_a_new_database_and_keep_logs_off_stdout() {
+    let (db, stream) = (ShopDb::new(), TestStream::new());
+    let js = stream.js().await;
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: stream.name.clone(),
+        subjects: vec![format!("{}.>", stream.prefix)],
+        ..Default::default()
+    })
+    .await
+    .expect("the stream");
+    let mut consumers: Vec<(Proc, _, _)> = (0..2)
+        .map(|_| consumer_command(&db.url, &stream))
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|mut cmd| {
+            let mut p = Proc::spawn(
+                "consumer",
+                cmd.stdout(Stdio::piped()).stderr(Stdio::piped()),
+            );
+            let out = lines_of(p.child.stdout.take().expect("stdout"));
+            let err = lines_of(p.child.stderr.take().expect("stderr"));
+            (p, out, err)
+        })
+        .collect();
+    let mut logs = [Vec::<String>::new(), Vec::new()];
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    for (i, (p, _, err)) in consumers.iter_mut().enumerate() {
+        while !logs[i]
+            .iter()
+            .any(|l| l.contains("outbox consumer started"))
+        {
+            match err.recv_timeout(Duration::from_millis(100)) {
+                Ok(line) => logs[i].push(line),
+                Err(_) => {
+                    assert!(
+                        p.is_running() && std::time::Instant::now() < deadline,
+                        "consumer {i} did not start:\n{}",
+                        logs[i].join("\n")
+                    );
+                }
+            }
+        }
+    }
+    for n in 1..=4_i64 {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Nats-Msg-Id", uuid::Uuid::now_v7().to_string().as_str());
+        headers.insert("Outbox-Event-Type", "order.paid");
+        let body = json!({ "order_id": n, "total_cents": 100 }).to_string();
+        js.publish_with_headers(format!("{}.order.{n}", stream.prefix), headers, body.into())
+            .await
+            .expect("publish")
+            .await
+            .expect("ack");
+    }
+    // every event printed once, by one consumer or the other, and nothing else on stdout
+    let mut printed = Vec::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while printed.len() < 4 && std::time::Instant::now() < deadline {
+        for (_, out, _) in &consumers {
+            while let Ok(line) = out.try_recv() {
+                printed.push(line);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for (p, _, _) in &consumers {
+        p.signal("INT");
+    }
+    for (i, (p, out, err)) in consumers.iter_mut().enumerate() {
+        assert_eq!(
+            p.wait_exit(Duration::from_secs(20)),
+            Some(0),
+            "consumer {i}"
+        );
+        printed.extend(out.try_iter());
+        logs[i].extend(err.try_iter());
+    }
+    assert_eq!(
+        printed.len(),
+        4,
+        "one line per event on stdout: {printed:#?}"
+    );
+    for line in &printed {
+        assert!(
+            line.starts_with(&format!("{}.order.", stream.prefix)) && line.contains("Paid"),
+            "stdout holds only events: {line:?}"
+        );
+    }
+    for (i, lines) in logs.iter().enumerate() {
+        let text = lines.join("\n");
+        assert!(
+            !text.contains('\u{1b}'),
+            "no colour codes in a pipe: {text}"
+        );
+        assert!(
+            text.contains(" INFO "),
+            "consumer {i} logs to stderr: {text}"
+        );
+        assert!(!text.contains("duplicate key"), "{text}");
+    }
+}

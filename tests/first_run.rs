@@ -10,7 +10,7 @@ use std::io::Read;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use support::{Proc, TestDb, TestStream, free_port, pg_base, relay_bin};
+use support::{Proc, TestDb, TestStream, free_port, pg_base, relay_bin, relay_command};
 
 /// Runs `cmd` to its exit (within `timeout`): exit code, stdout, stderr, and how long it took.
 fn run_to_exit(cmd: &mut Command, timeout: Duration) -> (Option<i32>, String, String, Duration) {
@@ -163,4 +163,103 @@ async fn one_shot_commands_fail_with_exit_2_and_the_servers_reason() {
         stderr.contains(&format!("database \"{name}\" does not exist")),
         "{stderr}"
     );
+}
+
+/// Starts a relay with `args` at info level, waits for its start-up line, stops it; returns
+/// the start-up line, everything on stderr and everything on stdout.
+fn start_up_line(db: &TestDb, stream: &TestStream, args: &[&str]) -> (String, String, String) {
+    use std::io::BufRead;
+    let mut cmd = relay_command(db, stream, args);
+    cmd.env("RUST_LOG", "info");
+    let mut p = Proc::spawn(
+        "outbox-relay",
+        cmd.stdout(Stdio::piped()).stderr(Stdio::piped()),
+    );
+    let mut out = p.child.stdout.take().expect("stdout");
+    let out = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = out.read_to_string(&mut s);
+        s
+    });
+    let mut stderr = std::io::BufReader::new(p.child.stderr.take().expect("stderr"));
+    let mut logs = String::new();
+    let started = loop {
+        let mut line = String::new();
+        if stderr.read_line(&mut line).unwrap_or(0) == 0 {
+            panic!("the relay exited before it started:\n{logs}");
+        }
+        logs.push_str(&line);
+        if line.contains("outbox relay started") {
+            break line;
+        }
+    };
+    p.signal("TERM");
+    assert_eq!(p.wait_exit(Duration::from_secs(20)), Some(0), "{logs}");
+    let _ = stderr.read_to_string(&mut logs);
+    (started, logs, out.join().unwrap_or_default())
+}
+
+#[test]
+fn the_start_up_line_shows_the_settings_of_its_mode_only() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let (ordered, _, _) = start_up_line(&db, &stream, &["--partitions", "3"]);
+    assert!(
+        ordered.contains("mode=ordered") && ordered.contains("partitions=3"),
+        "{ordered}"
+    );
+    assert!(!ordered.contains("workers"), "{ordered}");
+    let (unordered, _, _) = start_up_line(&db, &stream, &["--mode", "unordered", "--workers", "2"]);
+    assert!(
+        unordered.contains("mode=unordered") && unordered.contains("workers=2"),
+        "{unordered}"
+    );
+    assert!(!unordered.contains("partitions"), "{unordered}");
+}
+
+#[test]
+fn logs_go_to_stderr_as_plain_text_when_not_on_a_terminal() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let (_, logs, stdout) = start_up_line(&db, &stream, &[]);
+    assert!(logs.contains(" INFO "), "{logs}");
+    assert!(
+        !logs.contains('\u{1b}'),
+        "no colour codes in a pipe: {logs:?}"
+    );
+    assert_eq!(stdout, "", "`run` prints nothing but logs, on stderr");
+}
+
+/// On a terminal (a pseudo-terminal made by util-linux's `script`), logs are coloured unless
+/// `NO_COLOR` is set.
+#[test]
+fn logs_on_a_terminal_are_coloured_unless_no_color_is_set() {
+    if Command::new("script").arg("--version").output().is_err() {
+        eprintln!("skipped: util-linux `script` is not installed");
+        return;
+    }
+    let port = free_port();
+    let on_terminal = |no_color: Option<&str>| {
+        let line = format!(
+            "{} run --database-url postgres://postgres@127.0.0.1:{port}/x --startup-timeout 1s",
+            relay_bin().display()
+        );
+        let mut cmd = Command::new("script");
+        cmd.args(["-qec", &line, "/dev/null"])
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .env("RUST_LOG", "info")
+            .env("NATS_URL", format!("nats://127.0.0.1:{}", free_port()));
+        if let Some(v) = no_color {
+            cmd.env("NO_COLOR", v);
+        }
+        let out = cmd.output().expect("run under script");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let coloured = on_terminal(None);
+    assert!(
+        coloured.contains("\u{1b}["),
+        "colours on a terminal: {coloured:?}"
+    );
+    let plain = on_terminal(Some("1"));
+    assert!(plain.contains("NATS"), "{plain:?}");
+    assert!(!plain.contains("\u{1b}["), "NO_COLOR: {plain:?}");
 }

@@ -10,6 +10,7 @@ mod support;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fs::File;
+use std::io::Read as _;
 use std::process::{Command, Output, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -929,6 +930,11 @@ impl Drop for Role {
 
 /// A private `nats-server -js` that requires a user and password.
 fn nats_with_password(user: &str, password: &str) -> (Proc, u16, std::path::PathBuf) {
+    private_nats(&["--user", user, "--pass", password])
+}
+
+/// A private `nats-server -js` with `auth` (`--user`/`--pass`, `--auth TOKEN`).
+fn private_nats(auth: &[&str]) -> (Proc, u16, std::path::PathBuf) {
     let port = free_port();
     let dir = std::env::temp_dir().join(format!("outbox-nats-{}", uuid::Uuid::now_v7().simple()));
     std::fs::create_dir_all(&dir).expect("nats dir");
@@ -937,7 +943,7 @@ fn nats_with_password(user: &str, password: &str) -> (Proc, u16, std::path::Path
         Command::new(nats_server_bin())
             .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
             .arg(&dir)
-            .args(["--user", user, "--pass", password])
+            .args(auth)
             .stdout(Stdio::null())
             .stderr(Stdio::null()),
     );
@@ -1291,4 +1297,205 @@ async fn the_dashboard_and_the_alerts_query_only_metrics_the_relay_exports() {
         missing.is_empty(),
         "deploy/ queries metrics no relay exported: {missing:?}\nexported: {exported:?}"
     );
+}
+
+/// The PostgreSQL server of the tests as libpq's `key=value` pairs for `database`, with
+/// `extra` pairs appended.
+fn key_value_url(database: &str, extra: &str) -> String {
+    let base = support::pg_base();
+    let rest = base.split_once("://").map_or(base.as_str(), |(_, r)| r);
+    let (user, host) = rest.split_once('@').unwrap_or(("postgres", rest));
+    let user = user.split(':').next().unwrap_or(user);
+    let (host, port) = host.split_once(':').unwrap_or((host, "5432"));
+    format!("host={host} port={port} user={user} dbname={database} {extra}")
+}
+
+/// Runs `cmd` to its exit (within 20 s); exit code and everything it printed.
+fn output_of(cmd: &mut Command) -> (Option<i32>, String) {
+    let mut p = Proc::spawn(
+        "outbox-relay",
+        cmd.stdout(Stdio::piped()).stderr(Stdio::piped()),
+    );
+    let code = p.wait_exit(Duration::from_secs(20));
+    p.kill();
+    let mut text = String::new();
+    for pipe in [
+        p.child
+            .stdout
+            .take()
+            .map(|s| Box::new(s) as Box<dyn std::io::Read>),
+        p.child
+            .stderr
+            .take()
+            .map(|s| Box::new(s) as Box<dyn std::io::Read>),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        let mut pipe = pipe;
+        let _ = pipe.read_to_string(&mut text);
+    }
+    (code, text)
+}
+
+/// Issue 15, item 7: a password in libpq's `key=value` form or in a URL's query, and a NATS
+/// token (in the URL or in `NATS_TOKEN`), appear in no log line (at debug level), no error,
+/// no `status` output, no `/metrics` and no `Debug` output.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn secrets_in_key_value_urls_query_parameters_and_nats_tokens_reach_no_output() {
+    let id = uuid::Uuid::now_v7().simple().to_string();
+    let secret = format!("Xsecret{}", &id[16..]);
+    let token = format!("Xtoken{}", &id[16..]);
+    let db = TestDb::new();
+    let (_nats, port, nats_dir) = private_nats(&["--auth", &token]);
+    let stream = TestStream::on(&format!("nats://{token}@127.0.0.1:{port}"));
+    let js = async_nats::jetstream::new(
+        async_nats::ConnectOptions::with_token(token.clone())
+            .connect(format!("nats://127.0.0.1:{port}"))
+            .await
+            .expect("connect to the private NATS"),
+    );
+    // the test server trusts local connections, so any password opens the database
+    let key_value = key_value_url(&db.name, &format!("password='{secret}' sslmode=disable"));
+    let in_query = format!("{}?password={secret}", db.url);
+    let mut places: Vec<(String, String)> = Vec::new();
+
+    // a relay with the password in key=value form and the token in the URL, and a standby
+    // with the password in the query and the token in NATS_TOKEN
+    let addr = format!("127.0.0.1:{}", free_port());
+    let mut cmd = relay_command(&db, &stream, &["--metrics-addr", &addr]);
+    cmd.env("DATABASE_URL", &key_value).env("RUST_LOG", "debug");
+    let mut relay = Relay::start(cmd);
+    let addr2 = format!("127.0.0.1:{}", free_port());
+    let mut cmd = relay_command(&db, &stream, &["--metrics-addr", &addr2]);
+    cmd.env("DATABASE_URL", &in_query)
+        .env("NATS_URL", format!("nats://127.0.0.1:{port}"))
+        .env("NATS_TOKEN", &token)
+        .env("RUST_LOG", "debug");
+    let mut standby = Relay::start(cmd);
+    record(&db, 10, 2, "sec");
+    let t = Duration::from_secs(30);
+    wait_until(t, "10 events in the stream", || async {
+        match js.get_stream(&stream.name).await {
+            Ok(mut s) => s.info().await.map(|i| i.state.messages).unwrap_or(0) == 10,
+            Err(_) => false,
+        }
+    })
+    .await;
+    for a in [&addr, &addr2] {
+        wait_until(t, "/readyz", || async {
+            matches!(http_get(a, "/readyz").await, Some((200, _)))
+        })
+        .await;
+        places.push((format!("/metrics of {a}"), scrape(a).await));
+    }
+    for (url, what) in [(&key_value, "key=value"), (&in_query, "query")] {
+        for args in [&[][..], &["--json"][..]] {
+            let out = status(url, args);
+            assert!(out.status.success(), "status with the {what} URL: {out:?}");
+            places.push((
+                format!("status {args:?} with the {what} URL"),
+                format!(
+                    "{}{}",
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                ),
+            ));
+        }
+    }
+    for r in [&mut relay, &mut standby] {
+        r.proc.signal("TERM");
+        assert_eq!(r.proc.wait_exit(Duration::from_secs(20)), Some(0));
+    }
+    let logs = relay.logs();
+    assert!(
+        logs.contains("password=***") && logs.contains("nats://***@127.0.0.1"),
+        "the settings are logged, redacted:\n{logs}"
+    );
+    places.push(("the relay's logs".into(), logs));
+    places.push(("the standby's logs".into(), standby.logs()));
+
+    // failures: a refused connection, a database that does not exist, a refused token
+    let dead = format!("host=127.0.0.1 port={} password={secret}", free_port());
+    let missing = key_value_url("no_such_database", &format!("password={secret}"));
+    for (url, args) in [
+        (&dead, &["--startup-timeout", "1s"][..]),
+        (&missing, &[][..]),
+    ] {
+        let mut cmd = relay_command(&db, &stream, args);
+        cmd.env("DATABASE_URL", url).env("RUST_LOG", "debug");
+        places.push((
+            format!("the relay failing on {url:.20}"),
+            output_of(&mut cmd).1,
+        ));
+        places.push((
+            format!("status failing on {url:.20}"),
+            format!("{:?}", status(url, &[])),
+        ));
+    }
+    let mut cmd = relay_command(&db, &stream, &[]);
+    cmd.env("NATS_URL", format!("nats://{token}wrong@127.0.0.1:{port}"))
+        .env("RUST_LOG", "debug");
+    let (code, text) = output_of(&mut cmd);
+    assert_eq!(code, Some(2), "a refused token fails at once: {text}");
+    places.push(("the relay with a refused token".into(), text));
+
+    // Debug output of every type that holds a setting, and of the errors
+    let relay_config = outbox_nats::RelayConfig::new(key_value.clone());
+    places.push((
+        "RelayConfig (key=value)".into(),
+        format!("{relay_config:?}"),
+    ));
+    places.push((
+        "RelayConfig (query)".into(),
+        format!("{:?}", outbox_nats::RelayConfig::new(in_query.clone())),
+    ));
+    places.push((
+        "ConsumerConfig".into(),
+        format!(
+            "{:?}",
+            outbox_nats::ConsumerConfig::new("c", format!("postgres://u:{secret}@h/db"))
+        ),
+    ));
+    let reader = outbox_diesel::wal::WalReader::new(
+        outbox_diesel::OutboxTable::DEFAULT,
+        "outbox_slot",
+        "outbox_pub",
+    )
+    .streaming(&key_value, Duration::from_millis(100))
+    .expect("a streaming reader");
+    places.push(("WalReader".into(), format!("{reader:?}")));
+    let mut nats = outbox_nats::NatsOptions::new(format!("nats://{token}@127.0.0.1:{port}"));
+    nats.token = Some(token.clone());
+    places.push(("NatsOptions".into(), format!("{nats:?}")));
+    for url in [&dead, &missing] {
+        let e = outbox_diesel::connect(url).await.err().expect("refused");
+        places.push(("outbox_diesel::ConnectError".into(), format!("{e} {e:?}")));
+    }
+    let nats_client = async_nats::ConnectOptions::with_token(token.clone())
+        .connect(format!("nats://127.0.0.1:{port}"))
+        .await
+        .expect("connect");
+    let refused = outbox_nats::Relay::new(
+        relay_config
+            .startup_timeout(Duration::from_secs(1))
+            .table("no_such_table".parse().expect("a table name")),
+        nats_client,
+    );
+    places.push(("Relay".into(), format!("{refused:?}")));
+    let e = refused
+        .run(tokio_util::sync::CancellationToken::new())
+        .await
+        .expect_err("no such table");
+    places.push(("RelayError".into(), format!("{e} {e:?}")));
+
+    for (place, text) in &places {
+        for s in [&secret, &token] {
+            assert!(
+                !text.contains(s.as_str()),
+                "{place} shows a secret:\n{text}"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(nats_dir);
 }

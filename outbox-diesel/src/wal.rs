@@ -336,7 +336,7 @@ pub struct WalReader {
 }
 
 /// Where and how a streaming reader connects.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 struct StreamConfig {
     host: String,
     port: u16,
@@ -355,6 +355,20 @@ struct Stream {
     /// The end of the last commit received (of any transaction), or the server's position
     /// from a keepalive between transactions: everything before it was received.
     received_to: Option<Lsn>,
+}
+
+/// The password is never shown.
+impl fmt::Debug for StreamConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StreamConfig")
+            .field("host", &self.host)
+            .field("port", &self.port)
+            .field("user", &self.user)
+            .field("password", &"***")
+            .field("database", &self.database)
+            .field("wait", &self.wait)
+            .finish()
+    }
 }
 
 impl fmt::Debug for Stream {

@@ -45,7 +45,7 @@ impl std::fmt::Display for Mode {
 ///     .poll_interval(Duration::from_millis(50));
 /// assert_eq!(config.stream, "ORDERS");
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 #[non_exhaustive]
 pub struct RelayConfig {
     /// PostgreSQL connection URL.
@@ -134,6 +134,45 @@ pub struct RelayConfig {
     /// Move published rows into this table instead of deleting them (default `None`: delete).
     /// It needs the outbox's columns: `CREATE TABLE outbox_archive (LIKE outbox)`.
     pub archive_table: Option<OutboxTable>,
+}
+
+/// The database URL is shown without its password.
+impl std::fmt::Debug for RelayConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RelayConfig")
+            .field("database_url", &crate::redact_url(&self.database_url))
+            .field("table", &self.table)
+            .field("stream", &self.stream)
+            .field("subject_prefix", &self.subject_prefix)
+            .field("subject_template", &self.subject_template)
+            .field("mode", &self.mode)
+            .field("partitions", &self.partitions)
+            .field("workers", &self.workers)
+            .field("lease", &self.lease)
+            .field("batch_size", &self.batch_size)
+            .field("max_in_flight", &self.max_in_flight)
+            .field("poll_interval", &self.poll_interval)
+            .field("listen", &self.listen)
+            .field("duplicate_window", &self.duplicate_window)
+            .field("standby_interval", &self.standby_interval)
+            .field("max_backoff", &self.max_backoff)
+            .field("max_attempts", &self.max_attempts)
+            .field("startup_timeout", &self.startup_timeout)
+            .field("stall_after", &self.stall_after)
+            .field("stats_interval", &self.stats_interval)
+            .field("slot", &self.slot)
+            .field("publication", &self.publication)
+            .field("slot_lag_warn_bytes", &self.slot_lag_warn_bytes)
+            .field("captured_retention", &self.captured_retention)
+            .field("captured_cleanup_interval", &self.captured_cleanup_interval)
+            .field("cleanup", &self.cleanup)
+            .field("retention", &self.retention)
+            .field("cleanup_interval", &self.cleanup_interval)
+            .field("cleanup_batch", &self.cleanup_batch)
+            .field("delete_published", &self.delete_published)
+            .field("archive_table", &self.archive_table)
+            .finish_non_exhaustive()
+    }
 }
 
 impl RelayConfig {

@@ -3,6 +3,8 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::redact_url;
+
 /// How to reach and authenticate to NATS. Secrets are never logged: its `Debug` hides them.
 ///
 /// ```no_run
@@ -54,35 +56,6 @@ impl std::fmt::Debug for NatsOptions {
             .field("tls_required", &self.tls_required)
             .finish_non_exhaustive()
     }
-}
-
-/// `url` with any password replaced by `***`, for logs.
-///
-/// ```
-/// assert_eq!(outbox_nats::redact_url("postgres://app:s3cret@db/app"), "postgres://app:***@db/app");
-/// assert_eq!(outbox_nats::redact_url("nats://127.0.0.1:4222"), "nats://127.0.0.1:4222");
-/// ```
-pub fn redact_url(url: &str) -> String {
-    url.split(',')
-        .map(|one| {
-            let Some(scheme_end) = one.find("://").map(|i| i + 3) else {
-                return one.to_owned();
-            };
-            let rest = &one[scheme_end..];
-            let Some(at) = rest.rfind('@') else {
-                return one.to_owned();
-            };
-            let userinfo = &rest[..at];
-            let user = userinfo.split(':').next().unwrap_or("");
-            let hidden = if userinfo.contains(':') {
-                format!("{user}:***")
-            } else {
-                "***".into()
-            };
-            format!("{}{}{}", &one[..scheme_end], hidden, &rest[at..])
-        })
-        .collect::<Vec<_>>()
-        .join(",")
 }
 
 /// The user and password (or the token) in the first URL of `urls`, percent-decoded:

@@ -160,7 +160,7 @@ fn describe_metrics() {
 /// assert_eq!(config.stream, "OUTBOX");
 /// assert_eq!(config.durable_name, "billing");
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 #[non_exhaustive]
 pub struct ConsumerConfig {
     /// The durable consumer's name; also the consumer's name in the inbox.
@@ -195,6 +195,29 @@ pub struct ConsumerConfig {
     /// How long the first connections are retried before [`Consumer::run`] gives up
     /// (default 30 s).
     pub startup_timeout: Duration,
+}
+
+/// The database URL is shown without its password.
+impl fmt::Debug for ConsumerConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ConsumerConfig")
+            .field("durable_name", &self.durable_name)
+            .field("database_url", &crate::redact_url(&self.database_url))
+            .field("stream", &self.stream)
+            .field("filter_subject", &self.filter_subject)
+            .field("max_ack_pending", &self.max_ack_pending)
+            .field("ack_wait", &self.ack_wait)
+            .field("max_deliver", &self.max_deliver)
+            .field("batch_size", &self.batch_size)
+            .field("fetch_wait", &self.fetch_wait)
+            .field("retry_delay", &self.retry_delay)
+            .field("max_retry_delay", &self.max_retry_delay)
+            .field("undecodable_after", &self.undecodable_after)
+            .field("skip_unknown_event_types", &self.skip_unknown_event_types)
+            .field("inbox", &self.inbox)
+            .field("startup_timeout", &self.startup_timeout)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ConsumerConfig {

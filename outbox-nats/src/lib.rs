@@ -28,12 +28,14 @@ pub mod metrics;
 mod ordered;
 mod pipeline;
 pub mod publish;
+mod redact;
 mod relay;
 pub mod subject;
 mod tailing;
 mod unordered;
 
 pub use config::{Mode, RelayConfig};
-pub use connect::{ConnectError, NatsOptions, redact_url};
+pub use connect::{ConnectError, NatsOptions};
 pub use consumer::{Consumer, ConsumerConfig, Delivery};
+pub use redact::redact_url;
 pub use relay::{Health, Relay, RelayError};
