@@ -517,12 +517,31 @@ fn start_writers_from(
     batch: usize,
     ledger: &Ledger,
 ) -> Vec<std::thread::JoinHandle<()>> {
+    start_paced_writers(db, outbox, first, writers, per_writer, batch, Duration::ZERO, ledger)
+}
+
+/// [`start_writers_from`], each writer pausing `pause` before each transaction: writers that
+/// keep committing while a relay starts or is switched.
+#[allow(clippy::too_many_arguments)]
+fn start_paced_writers(
+    db: &TestDb,
+    outbox: &Outbox,
+    first: usize,
+    writers: usize,
+    per_writer: usize,
+    batch: usize,
+    pause: Duration,
+    ledger: &Ledger,
+) -> Vec<std::thread::JoinHandle<()>> {
     (first..first + writers)
         .map(|w| {
             let (url, outbox, ledger) = (db.url.clone(), outbox.clone(), ledger.clone());
             std::thread::spawn(move || {
                 let mut conn = PgConnection::establish(&url).expect("connect");
                 for i in 0..per_writer {
+                    if !pause.is_zero() {
+                        std::thread::sleep(pause);
+                    }
                     let agg = format!("acct-{w}-{}", i % 13);
                     let events: Vec<Changed> = (0..batch)
                         .map(|k| changed(&agg, (i * batch + k) as i64))
@@ -744,4 +763,213 @@ async fn a_poison_event_is_parked_passed_over_and_published_again_on_retry() {
     let got = stream.read_all().await;
     assert_eq!(got[3].msg_id, poison.to_string(), "published once released");
     assert_eq!(got[3].payload["blob"].as_str().map(str::len), Some(2000));
+}
+
+/// A publication whose name needs quoting (capitals, a hyphen) is created and streamed
+/// under that exact name.
+#[tokio::test]
+async fn a_publication_name_that_needs_quoting_is_streamed() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let slot = Slot::new(&db);
+    let _relay = relay(
+        "relay",
+        &db,
+        &stream,
+        &slot,
+        &["--publication", "Outbox-Pub"],
+    );
+    wait_reader(&db, &slot).await;
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM pg_publication WHERE pubname = 'Outbox-Pub'"),
+        1,
+        "the publication under its exact name"
+    );
+    let id = db
+        .conn()
+        .transaction(|c| c.record_event(&changed("Q", 1)))
+        .expect("record");
+    wait_count(&stream, 1, Duration::from_secs(30)).await;
+    assert_eq!(stream.read_all().await[0].msg_id, id.to_string());
+}
+
+/// `--stats-interval` longer than `--lease`: an idle reader's only queries used to be the
+/// stats, so PostgreSQL ended its session after the lease and the slot changed hands. The
+/// reader renews its session while it waits.
+#[tokio::test]
+async fn an_idle_reader_keeps_its_session_when_stats_are_rarer_than_the_lease() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let slot = Slot::new(&db);
+    let _relay = relay(
+        "relay",
+        &db,
+        &stream,
+        &slot,
+        &["--lease", "3s", "--stats-interval", "1h"],
+    );
+    let reader = wait_reader(&db, &slot).await;
+    // idle for more than two leases
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    assert_eq!(
+        slot.reader(&db),
+        Some(reader),
+        "the same session still reads the slot"
+    );
+    let id = db
+        .conn()
+        .transaction(|c| c.record_event(&changed("I", 1)))
+        .expect("record");
+    wait_count(&stream, 1, Duration::from_secs(30)).await;
+    assert_eq!(stream.read_all().await[0].msg_id, id.to_string());
+    assert_eq!(slot.reader(&db), Some(reader));
+}
+
+/// Writers commit before, while and after the relay makes its slot: the rows committed
+/// before the slot's consistent point come from its exported snapshot, the rest from the
+/// slot, with no gap between them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_start_beside_running_writers_publishes_every_event_once_in_order() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let slot = Slot::new(&db);
+    let ledger = Ledger::default();
+    let pause = Duration::from_millis(2);
+    let writers = start_paced_writers(&db, &Outbox::default(), 0, 4, 400, 2, pause, &ledger);
+    wait_until(Duration::from_secs(30), "rows before the relay", || async {
+        db.scalar("SELECT count(*) FROM outbox") >= 300
+    })
+    .await;
+    let _relay = relay("relay", &db, &stream, &slot, &[]);
+    for w in writers {
+        w.join().expect("writer");
+    }
+    wait_count(&stream, 3_200, Duration::from_secs(120)).await;
+    let expected = ledger.lock().expect("ledger").clone();
+    assert_exactly_once_in_order(&stream.read_all().await, &expected);
+}
+
+/// The README's switch from `ordered` to `log-tailing`, writers committing throughout: start
+/// the log-tailing relay, then stop the ordered one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn switching_from_ordered_to_log_tailing_under_load_loses_nothing() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let slot = Slot::new(&db);
+    let mut ordered = Proc::spawn("ordered", &mut relay_command(&db, &stream, &[]));
+    let ledger = Ledger::default();
+    let pause = Duration::from_millis(2);
+    let writers = start_paced_writers(&db, &Outbox::default(), 0, 4, 500, 2, pause, &ledger);
+    wait_count(&stream, 400, Duration::from_secs(30)).await;
+    let _tailing = relay("tailing", &db, &stream, &slot, &[]);
+    wait_reader(&db, &slot).await;
+    ordered.signal("TERM");
+    assert_eq!(ordered.wait_exit(Duration::from_secs(30)), Some(0));
+    assert!(
+        writers.iter().any(|w| !w.is_finished()),
+        "the writers still commit after the switch"
+    );
+    for w in writers {
+        w.join().expect("writer");
+    }
+    wait_count(&stream, 4_000, Duration::from_secs(120)).await;
+    let expected = ledger.lock().expect("ledger").clone();
+    assert_exactly_once_in_order(&stream.read_all().await, &expected);
+}
+
+/// The README's switch from `log-tailing` back to `ordered`, writers committing throughout:
+/// stop the log-tailing relay, start the ordered one, drop the slot and its record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn switching_from_log_tailing_to_ordered_under_load_loses_nothing() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let slot = Slot::new(&db);
+    let mut tailing = relay("tailing", &db, &stream, &slot, &[]);
+    wait_reader(&db, &slot).await;
+    let ledger = Ledger::default();
+    let pause = Duration::from_millis(2);
+    let writers = start_paced_writers(&db, &Outbox::default(), 0, 4, 500, 2, pause, &ledger);
+    wait_count(&stream, 400, Duration::from_secs(30)).await;
+    tailing.signal("TERM");
+    assert_eq!(tailing.wait_exit(Duration::from_secs(30)), Some(0));
+    let _ordered = Proc::spawn("ordered", &mut relay_command(&db, &stream, &[]));
+    support::slot::drop_slot(db.admin_url(), &slot.name);
+    diesel::sql_query(format!(
+        "DELETE FROM outbox_relay_slots WHERE slot_name = '{}'",
+        slot.name
+    ))
+    .execute(&mut db.conn())
+    .expect("the slot's record");
+    assert!(
+        writers.iter().any(|w| !w.is_finished()),
+        "the writers still commit after the switch"
+    );
+    for w in writers {
+        w.join().expect("writer");
+    }
+    wait_count(&stream, 4_000, Duration::from_secs(120)).await;
+    let expected = ledger.lock().expect("ledger").clone();
+    assert_exactly_once_in_order(&stream.read_all().await, &expected);
+}
+
+/// Runs the relay until it exits (within `timeout`); its exit code and what it logged.
+fn run_to_exit(db: &TestDb, stream: &TestStream, args: &[&str], timeout: Duration) -> (i32, String) {
+    let mut child = relay_command(db, stream, args)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run");
+    let start = Instant::now();
+    let code = loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            break status.code().unwrap_or(-1);
+        }
+        if start.elapsed() > timeout {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the relay did not exit within {timeout:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        use std::io::Read;
+        let _ = e.read_to_string(&mut err);
+    }
+    (code, err)
+}
+
+/// A slot dropped under a running reader (as a failover to a standby without it would lose
+/// it): the relay stops with an error that says what may be lost and how to recover, a
+/// restart refuses likewise, and `--recover-slot` publishes again what the table still
+/// holds, so every event arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_slot_stops_the_relay_and_recover_slot_publishes_what_may_be_missing() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let slot = Slot::new(&db);
+    let mut first = relay("relay", &db, &stream, &slot, &[]);
+    wait_reader(&db, &slot).await;
+    let ledger = Ledger::default();
+    for w in start_writers(&db, &Outbox::default(), 2, 50, 1, &ledger) {
+        w.join().expect("writer");
+    }
+    wait_count(&stream, 100, Duration::from_secs(30)).await;
+    support::slot::drop_slot(db.admin_url(), &slot.name);
+    // recorded while the slot is gone: no slot will ever send these
+    for w in start_writers_from(&db, &Outbox::default(), 2, 2, 25, 1, &ledger) {
+        w.join().expect("writer");
+    }
+    assert_eq!(
+        first.wait_exit(Duration::from_secs(30)),
+        Some(1),
+        "the relay stops"
+    );
+    let args = ["--mode", "log-tailing", "--slot", &slot.name];
+    let (code, err) = run_to_exit(&db, &stream, &args, Duration::from_secs(60));
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("is missing") && err.contains("--recover-slot"),
+        "{err}"
+    );
+    assert!(!slot.exists(&db), "no slot made silently");
+    let _recovered = relay("recovered", &db, &stream, &slot, &["--recover-slot"]);
+    wait_count(&stream, 150, Duration::from_secs(60)).await;
+    let expected = ledger.lock().expect("ledger").clone();
+    assert_exactly_once_in_order(&stream.read_all().await, &expected);
 }

@@ -20,7 +20,7 @@
 //! ```no_run
 //! use diesel_async::{AsyncConnection, AsyncPgConnection};
 //! use outbox_diesel::OutboxTable;
-//! use outbox_diesel::wal::WalReader;
+//! use outbox_diesel::wal::{self, SlotState, WalReader};
 //!
 //! # use std::time::Duration;
 //! # async fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -28,7 +28,20 @@
 //! let mut conn = AsyncPgConnection::establish(url).await?;
 //! let mut reader = WalReader::new(OutboxTable::DEFAULT, "outbox_slot", "outbox_pub")
 //!     .streaming(url, Duration::from_millis(100))?;
-//! reader.setup(&mut conn).await?; // publication + slot, created when missing
+//! if reader.setup(&mut conn).await? != SlotState::Ready {
+//!     // a new slot: first the rows committed before it, which it will not send
+//!     let mut snapshot = AsyncPgConnection::establish(url).await?;
+//!     let at = reader.create_slot(&mut conn, &mut snapshot).await?;
+//!     let mut after = 0;
+//!     loop {
+//!         let rows = wal::snapshot_rows(&mut snapshot, &OutboxTable::DEFAULT, after, 500).await?;
+//!         let Some(last) = rows.last() else { break };
+//!         after = last.seq;
+//!         // ... publish `rows` and wait for their acks
+//!     }
+//!     wal::end_snapshot(&mut snapshot).await?;
+//!     reader.finish_slot(&mut conn, at).await?;
+//! }
 //! let batch = reader.read(&mut conn, 500).await?; // waits up to 100 ms for a transaction
 //! for tx in &batch.transactions {
 //!     for row in &tx.rows {
@@ -209,7 +222,7 @@ pub enum WalError {
     },
     /// The slot is gone (dropped, or invalidated by `max_slot_wal_keep_size`).
     #[error(
-        "replication slot {slot} is {state}: the WAL it needed is gone, so events recorded meanwhile may be lost; drop it with `SELECT pg_drop_replication_slot('{slot}')` and restart the relay, which creates a new one"
+        "replication slot {slot} is {state}: the WAL it needed is gone, so events recorded meanwhile may be lost; drop it with `SELECT pg_drop_replication_slot('{slot}')` and restart the relay with `--recover-slot`, which makes a new slot and publishes again the rows still in the table"
     )]
     SlotLost {
         /// The slot.
@@ -217,6 +230,36 @@ pub enum WalError {
         /// Its state.
         state: String,
     },
+    /// The slot is missing although the relay's record says it was read before: it was
+    /// dropped, or the server failed over to a standby that does not have it. What committed
+    /// after its last confirmed position may not have been published.
+    #[error(
+        "replication slot {slot} is missing, but the relay read it before (last confirmed position {confirmed}, recorded {recorded_at}): it was dropped, or the server failed over to a standby without it (slots follow a failover only as PostgreSQL 17 failover slots). Events committed after that position may not have been published. If the recording side keeps its rows (the default), restart once with `--recover-slot`: the relay makes a new slot and publishes again every row still in the table and not parked (consumers drop the copies by message id); events recorded with `delete_after_insert` are not in the table, so those committed between {confirmed} and the new slot cannot be recovered"
+    )]
+    SlotMissing {
+        /// The slot.
+        slot: String,
+        /// The last position the relay recorded as confirmed.
+        confirmed: Lsn,
+        /// When it recorded it.
+        recorded_at: DateTime<Utc>,
+    },
+    /// The relay's record of its slots is missing and the role may not create it.
+    #[error(
+        "the relay keeps a record of its slots in {table}, which is missing, and its role may not create it: create it once as the table's owner with `{sql}` and `GRANT SELECT, INSERT, UPDATE ON {table} TO <relay>`"
+    )]
+    RecordRight {
+        /// The record's table.
+        table: String,
+        /// The statement that creates it.
+        sql: String,
+        /// The refusal.
+        #[source]
+        source: DieselError,
+    },
+    /// The relay's ordinary connection (for the rows recorded before a new slot) failed.
+    #[error("cannot connect to PostgreSQL: {0}")]
+    Connect(#[from] crate::ConnectError),
     /// Another session uses the slot at this instant (an `outbox-relay status`, or a reader
     /// that bypassed the lock); retry.
     #[error("replication slot {slot} is in use by another session")]
@@ -333,6 +376,35 @@ pub struct WalReader {
     /// A streaming reader's last position confirmed: transactions ending at or before it
     /// are passed over when they come again.
     acked: Lsn,
+    /// Whether a missing slot that the record says was read before may be made again.
+    recover: bool,
+}
+
+/// Where a reader's slot stands, as [`WalReader::setup`] finds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SlotState {
+    /// The slot exists and every row recorded before it was published: read it.
+    Ready,
+    /// There is no slot: [`WalReader::create_slot`] makes it, with the snapshot of the rows
+    /// recorded before it.
+    Missing,
+    /// The slot exists, but the rows recorded before it were not all published (the relay
+    /// stopped during its first start): [`WalReader::create_slot`] makes it again.
+    Unfinished,
+}
+
+/// The name of the relay's record of its slots, beside the outbox table.
+pub const SLOTS_TABLE: &str = "outbox_relay_slots";
+
+#[derive(QueryableByName)]
+struct SlotRecord {
+    #[diesel(sql_type = Text)]
+    state: String,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    confirmed: Option<i64>,
+    #[diesel(sql_type = diesel::sql_types::Timestamptz)]
+    updated_at: DateTime<Utc>,
 }
 
 /// Where and how a streaming reader connects.
@@ -453,7 +525,17 @@ impl WalReader {
             streaming: None,
             stream: None,
             acked: Lsn(0),
+            recover: false,
         }
+    }
+
+    /// Lets [`WalReader::setup`] accept a missing slot that the relay's record says was read
+    /// before (dropped, or lost in a failover), instead of failing with
+    /// [`WalError::SlotMissing`]: [`WalReader::create_slot`] then makes a new one and its
+    /// snapshot holds every row still in the table and not parked.
+    pub fn recover(mut self, recover: bool) -> Self {
+        self.recover = recover;
+        self
     }
 
     /// Reads through a replication connection of its own to `database_url` (a URL or
@@ -524,12 +606,15 @@ impl WalReader {
         &self.publication
     }
 
-    /// Prepares `conn` (UTC, ISO dates, so timestamps decode the same everywhere) and creates
-    /// the publication and the slot when missing; returns where a slot it created starts.
+    /// Prepares `conn` (UTC, ISO dates, so timestamps decode the same everywhere), creates the
+    /// publication and the relay's record of its slots (`outbox_relay_slots`, beside the
+    /// table) when missing, and says where the slot stands. A streaming reader's missing slot
+    /// is made by [`WalReader::create_slot`]; a reader that reads with SQL creates it here
+    /// (and sees only what commits after that).
     ///
-    /// A slot sees only what commits after its creation: rows recorded before are not read.
-    /// Creating a slot waits for the transactions running at that moment to end.
-    pub async fn setup(&mut self, conn: &mut AsyncPgConnection) -> Result<Option<Lsn>, WalError> {
+    /// A missing slot that the record says was read before is [`WalError::SlotMissing`],
+    /// unless the reader [recovers](WalReader::recover).
+    pub async fn setup(&mut self, conn: &mut AsyncPgConnection) -> Result<SlotState, WalError> {
         check_slot_name(&self.slot).map_err(|reason| WalError::SlotMismatch {
             slot: self.slot.clone(),
             found: reason,
@@ -547,7 +632,203 @@ impl WalReader {
             .ok_or_else(|| WalError::TableMissing(self.table.to_string()))?;
         self.table_oid = Some(oid as u32);
         self.ensure_publication(conn).await?;
-        self.ensure_slot(conn).await
+        self.ensure_record(conn).await?;
+        let record = self.record(conn).await?;
+        let exists = self.check_slot(conn).await?;
+        match (exists, record) {
+            (true, Some(r)) if r.state == "snapshot" => Ok(SlotState::Unfinished),
+            (true, r) => {
+                if r.is_none() {
+                    // a slot made before the record existed, or by hand
+                    self.write_record(conn, "streaming", None).await?;
+                }
+                Ok(SlotState::Ready)
+            }
+            (false, Some(r)) if r.state == "streaming" && !self.recover => {
+                Err(WalError::SlotMissing {
+                    slot: self.slot.clone(),
+                    confirmed: Lsn(r.confirmed.unwrap_or_default() as u64),
+                    recorded_at: r.updated_at,
+                })
+            }
+            (false, _) if self.streaming.is_none() => {
+                self.create_slot_sql(conn).await?;
+                self.write_record(conn, "streaming", None).await?;
+                Ok(SlotState::Ready)
+            }
+            (false, _) => Ok(SlotState::Missing),
+        }
+    }
+
+    fn record_table(&self) -> String {
+        match self.table.schema() {
+            Some(s) => format!("{}.{SLOTS_TABLE}", quote_ident(s)),
+            None => SLOTS_TABLE.to_owned(),
+        }
+    }
+
+    async fn ensure_record(&self, conn: &mut AsyncPgConnection) -> Result<(), WalError> {
+        let t = self.record_table();
+        let found: Oid = diesel::sql_query(format!(
+            "SELECT to_regclass({})::oid::bigint AS oid",
+            quote_literal(&t)
+        ))
+        .get_result(conn)
+        .await?;
+        if found.oid.is_some() {
+            return Ok(());
+        }
+        let sql = format!(
+            "CREATE TABLE IF NOT EXISTS {t} (slot_name text PRIMARY KEY, table_name text NOT NULL,              state text NOT NULL CHECK (state IN ('snapshot', 'streaming')), confirmed_lsn pg_lsn,              created_at timestamptz NOT NULL DEFAULT now(), updated_at timestamptz NOT NULL DEFAULT now())"
+        );
+        match conn.batch_execute(&sql).await {
+            Ok(()) => Ok(()),
+            Err(e) if is_permission_error(&e) => Err(WalError::RecordRight {
+                table: t,
+                sql,
+                source: e,
+            }),
+            // another relay created it meanwhile
+            Err(DieselError::DatabaseError(diesel::result::DatabaseErrorKind::UniqueViolation, _)) => {
+                Ok(())
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn record(&self, conn: &mut AsyncPgConnection) -> Result<Option<SlotRecord>, WalError> {
+        let rows: Vec<SlotRecord> = diesel::sql_query(format!(
+            "SELECT state, (confirmed_lsn - '0/0'::pg_lsn)::bigint AS confirmed, updated_at              FROM {} WHERE slot_name = $1",
+            self.record_table()
+        ))
+        .bind::<Text, _>(&self.slot)
+        .load(conn)
+        .await?;
+        Ok(rows.into_iter().next())
+    }
+
+    async fn write_record(
+        &self,
+        conn: &mut AsyncPgConnection,
+        state: &str,
+        confirmed: Option<Lsn>,
+    ) -> Result<(), WalError> {
+        diesel::sql_query(format!(
+            "INSERT INTO {} (slot_name, table_name, state, confirmed_lsn) VALUES ($1, $2, $3, $4::pg_lsn)              ON CONFLICT (slot_name) DO UPDATE SET table_name = EXCLUDED.table_name,              state = EXCLUDED.state, confirmed_lsn = EXCLUDED.confirmed_lsn, updated_at = now()",
+            self.record_table()
+        ))
+        .bind::<Text, _>(&self.slot)
+        .bind::<Text, _>(self.table.to_string())
+        .bind::<Text, _>(state)
+        .bind::<Nullable<Text>, _>(confirmed.map(|l| l.to_string()))
+        .execute(conn)
+        .await?;
+        Ok(())
+    }
+
+    /// Records `confirmed` as the slot's last confirmed position in the relay's record (what
+    /// [`WalError::SlotMissing`] reports when the slot is lost).
+    pub async fn save_position(
+        &self,
+        conn: &mut AsyncPgConnection,
+        confirmed: Lsn,
+    ) -> Result<(), WalError> {
+        diesel::sql_query(format!(
+            "UPDATE {} SET confirmed_lsn = $2::pg_lsn, updated_at = now()              WHERE slot_name = $1 AND state = 'streaming'              AND (confirmed_lsn IS NULL OR confirmed_lsn < $2::pg_lsn)",
+            self.record_table()
+        ))
+        .bind::<Text, _>(&self.slot)
+        .bind::<Text, _>(confirmed.to_string())
+        .execute(conn)
+        .await?;
+        Ok(())
+    }
+
+    /// Makes the streaming reader's slot (dropping an [unfinished](SlotState::Unfinished) one
+    /// first) with an exported snapshot, and opens on `snapshot` a read-only repeatable-read
+    /// transaction on that snapshot: it sees exactly the rows committed before the slot's
+    /// consistent point, which the slot will not send. Read them with [`snapshot_rows`], end
+    /// the transaction with [`end_snapshot`], then [`WalReader::finish_slot`]. Returns the
+    /// consistent point.
+    ///
+    /// Until `finish_slot`, the record says the slot is unfinished, so that a relay that stops
+    /// meanwhile makes it again (and publishes the rows before it again) on its next start.
+    /// Creating a slot waits for the transactions running at that moment to end.
+    pub async fn create_slot(
+        &mut self,
+        conn: &mut AsyncPgConnection,
+        snapshot: &mut AsyncPgConnection,
+    ) -> Result<Lsn, WalError> {
+        let Some(cfg) = self.streaming.clone() else {
+            return Err(self.stream_error("only a streaming reader makes its slot with a snapshot"));
+        };
+        if self.check_slot(conn).await? {
+            end_stale_sender(conn, &self.slot).await?;
+            diesel::sql_query("SELECT pg_drop_replication_slot($1)")
+                .bind::<Text, _>(&self.slot)
+                .execute(conn)
+                .await
+                .map_err(|e| classify(e, &self.slot))?;
+            tracing::info!(slot = %self.slot, "unfinished replication slot dropped");
+        }
+        self.write_record(conn, "snapshot", None).await?;
+        tracing::info!(slot = %self.slot, "creating the replication slot (this waits for the transactions running now to end)");
+        let mut client =
+            pgwire_replication::ReplicationClient::connect_gated(self.replication_config(&cfg))
+                .await
+                .map_err(|e| self.connection_error(e))?;
+        let result = self.export_and_import(&mut client, snapshot).await;
+        client.abort();
+        let at = result?;
+        self.acked = Lsn(0);
+        tracing::info!(slot = %self.slot, lsn = %at, "replication slot created");
+        Ok(at)
+    }
+
+    async fn export_and_import(
+        &self,
+        client: &mut pgwire_replication::ReplicationClient,
+        snapshot: &mut AsyncPgConnection,
+    ) -> Result<Lsn, WalError> {
+        let rows = client
+            .simple_query(&format!(
+                "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput EXPORT_SNAPSHOT",
+                self.slot
+            ))
+            .await
+            .map_err(|e| self.connection_error(e))?;
+        let col = |i: usize| {
+            rows.as_slice()
+                .first()
+                .and_then(|r| r.get(i))
+                .and_then(|v| v.as_ref())
+                .map(|b| String::from_utf8_lossy(b).into_owned())
+        };
+        let (Some(point), Some(name)) = (col(1), col(2)) else {
+            return Err(self.stream_error("CREATE_REPLICATION_SLOT returned no snapshot"));
+        };
+        let at: Lsn = point.parse().map_err(|e: String| self.stream_error(e))?;
+        // the exported snapshot lives while the replication session is idle: import it now
+        snapshot
+            .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            .await?;
+        snapshot
+            .batch_execute(&format!(
+                "SET TRANSACTION SNAPSHOT {}",
+                quote_literal(&name)
+            ))
+            .await?;
+        Ok(at)
+    }
+
+    /// Records that every row recorded before the slot made by [`WalReader::create_slot`] was
+    /// published: from now on the slot is read, and a missing slot is an error.
+    pub async fn finish_slot(
+        &self,
+        conn: &mut AsyncPgConnection,
+        at: Lsn,
+    ) -> Result<(), WalError> {
+        self.write_record(conn, "streaming", Some(at)).await
     }
 
     async fn ensure_publication(&self, conn: &mut AsyncPgConnection) -> Result<(), WalError> {
@@ -605,7 +886,9 @@ impl WalReader {
         }
     }
 
-    async fn ensure_slot(&self, conn: &mut AsyncPgConnection) -> Result<Option<Lsn>, WalError> {
+
+    /// Whether the slot exists; an error when it is not a usable slot of this database.
+    async fn check_slot(&self, conn: &mut AsyncPgConnection) -> Result<bool, WalError> {
         let found: Vec<SlotRow> = diesel::sql_query(
             "SELECT s.plugin::text AS plugin, d.datname::text AS database, \
              d.datname = current_database() AS here, s.wal_status, \
@@ -633,9 +916,13 @@ impl WalReader {
                     state: s.wal_status.clone().unwrap_or_else(|| "invalid".into()),
                 });
             }
-            return Ok(None);
+            return Ok(true);
         }
-        tracing::info!(slot = %self.slot, "creating the replication slot (this waits for the transactions running now to end)");
+        Ok(false)
+    }
+
+    /// Creates the slot with the SQL function (no snapshot): for a reader that reads with SQL.
+    async fn create_slot_sql(&self, conn: &mut AsyncPgConnection) -> Result<Option<Lsn>, WalError> {
         let created: Result<Position, _> = diesel::sql_query(
             "SELECT (lsn - '0/0'::pg_lsn)::bigint AS lsn \
              FROM pg_create_logical_replication_slot($1, 'pgoutput')",
@@ -1095,7 +1382,9 @@ impl WalReader {
             cfg.password.clone(),
             cfg.database.clone(),
             self.slot.clone(),
-            self.publication.clone(),
+            // `publication_names` is a list of identifiers: quoted, a name keeps its case and
+            // may hold any character
+            quote_ident(&self.publication),
         )
         .with_port(cfg.port)
         .with_tls(cfg.tls.clone())
@@ -1160,7 +1449,10 @@ impl WalReader {
                 Err(WalError::SlotBusy { .. }) => {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
-                other => return other.map(drop),
+                other => {
+                    other?;
+                    return self.save_position(conn, self.acked).await;
+                }
             }
         }
         Ok(())
@@ -1412,23 +1704,30 @@ async fn rows_by_seq(
     .await
 }
 
-/// Unpublished, unparked rows still in the table (a slot created now will not read them).
-pub async fn rows_before_slot(
-    conn: &mut AsyncPgConnection,
+/// Up to `limit` rows after `after_seq`, in `seq` order, that no relay has published and
+/// that are not parked, as the snapshot transaction of [`WalReader::create_slot`] sees them:
+/// the rows committed before the slot's consistent point.
+pub async fn snapshot_rows(
+    snapshot: &mut AsyncPgConnection,
     table: &OutboxTable,
-) -> diesel::QueryResult<i64> {
-    #[derive(QueryableByName)]
-    struct N {
-        #[diesel(sql_type = BigInt)]
-        n: i64,
-    }
-    let n: N = diesel::sql_query(format!(
-        "SELECT count(*) AS n FROM {} WHERE published_at IS NULL AND parked_at IS NULL",
+    after_seq: i64,
+    limit: i64,
+) -> diesel::QueryResult<Vec<OutboxRow>> {
+    diesel::sql_query(format!(
+        "SELECT seq, id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, \
+         attempts FROM {} WHERE published_at IS NULL AND parked_at IS NULL AND seq > $1 \
+         ORDER BY seq LIMIT $2",
         table.quoted()
     ))
-    .get_result(conn)
-    .await?;
-    Ok(n.n)
+    .bind::<BigInt, _>(after_seq)
+    .bind::<BigInt, _>(limit)
+    .load(snapshot)
+    .await
+}
+
+/// Ends the snapshot transaction of [`WalReader::create_slot`].
+pub async fn end_snapshot(snapshot: &mut AsyncPgConnection) -> diesel::QueryResult<()> {
+    snapshot.batch_execute("COMMIT").await
 }
 
 #[cfg(test)]

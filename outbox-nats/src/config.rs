@@ -107,6 +107,10 @@ pub struct RelayConfig {
     pub slot: Option<String>,
     /// The publication (log-tailing mode); `None` derives it from the table: `outbox_pub`.
     pub publication: Option<String>,
+    /// Log-tailing mode: when the slot is missing although the relay read it before (dropped,
+    /// or lost in a failover), make a new one and publish again every row still in the table
+    /// and not parked, instead of stopping with an error (default off).
+    pub recover_slot: bool,
     /// Warn (and set `outbox_slot_lagging`) when the slot's unconfirmed WAL exceeds this many
     /// bytes (log-tailing mode; default 1 GiB).
     pub slot_lag_warn_bytes: u64,
@@ -203,6 +207,7 @@ impl RelayConfig {
             stats_interval: Duration::from_secs(5),
             slot: None,
             publication: None,
+            recover_slot: false,
             slot_lag_warn_bytes: 1 << 30,
             captured_retention: Duration::from_secs(3600),
             captured_cleanup_interval: Duration::from_secs(60),

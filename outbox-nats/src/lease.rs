@@ -75,6 +75,25 @@ impl Lease {
         }
     }
 
+    /// Queries the session when a third of the lease has passed since it last answered, so
+    /// that a relay whose other queries are rarer than the lease keeps its session.
+    pub(crate) async fn renew_if_due(
+        &self,
+        conn: &mut AsyncPgConnection,
+    ) -> diesel::QueryResult<()> {
+        let due = self
+            .confirmed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_none_or(|t| t.elapsed() >= self.duration / 3);
+        if due {
+            let started = Instant::now();
+            conn.batch_execute("SELECT 1").await?;
+            self.confirm(started);
+        }
+        Ok(())
+    }
+
     /// Sets the session timeouts that end a silent session after the lease.
     pub(crate) async fn configure(&self, conn: &mut AsyncPgConnection) -> diesel::QueryResult<()> {
         let ms = self.duration.as_millis();

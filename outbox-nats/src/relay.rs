@@ -1,8 +1,8 @@
 //! The relay engine: [`Relay::run`] publishes committed outbox rows to JetStream until told to
 //! stop.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream;
@@ -261,6 +261,9 @@ impl Relay {
         self.health.progressed();
         self.health.started.store(true, Ordering::Relaxed);
 
+        // the relay's own stop: shutdown, or an error that retrying cannot fix
+        let shutdown = shutdown.child_token();
+        let fatal: Arc<Mutex<Option<outbox_diesel::wal::WalError>>> = Arc::default();
         let mut tasks = JoinSet::new();
         match cfg.mode {
             Mode::Ordered => {
@@ -293,6 +296,7 @@ impl Relay {
                     js: js.clone(),
                     health: self.health.clone(),
                     shutdown: shutdown.clone(),
+                    fatal: fatal.clone(),
                 };
                 tasks.spawn(
                     tailing
@@ -323,12 +327,16 @@ impl Relay {
                 error!(error = %e, "relay task failed");
             }
         }
+        if let Some(e) = fatal.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            return Err(e.into());
+        }
         info!("outbox relay stopped");
         Ok(())
     }
 
-    /// Log tailing's start-up check: `wal_level`, the publication and the slot (created when
-    /// missing), so that what retrying cannot fix stops the relay with a clear error.
+    /// Log tailing's start-up check: `wal_level`, the publication, the relay's record of its
+    /// slots (created when missing) and the slot (a missing one that was read before is an
+    /// error; the reader makes a new one under its lock), so that what retrying cannot fix stops the relay with a clear error.
     async fn check_log_tailing(&self) -> Result<(), RelayError> {
         let cfg = &self.config;
         let mut conn = outbox_diesel::connect(&cfg.database_url)
@@ -345,7 +353,8 @@ impl Relay {
             cfg.slot_name(),
             cfg.publication_name(),
         )
-        .streaming(&cfg.database_url, cfg.poll_interval)?;
+        .streaming(&cfg.database_url, cfg.poll_interval)?
+        .recover(cfg.recover_slot);
         reader.setup(&mut conn).await?;
         reader.check_replication().await?;
         Ok(())

@@ -21,7 +21,7 @@
 //! `outbox-relay retry` releases it (an UPDATE, which the reader sees and publishes then).
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -29,7 +29,7 @@ use async_nats::jetstream;
 use chrono::{DateTime, Utc};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use outbox_diesel::relay::OutboxRow;
-use outbox_diesel::wal::{self, Lsn, WalBatch, WalError, WalReader};
+use outbox_diesel::wal::{self, Lsn, SlotState, WalBatch, WalError, WalReader};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, error, info, info_span, warn};
 use uuid::Uuid;
@@ -45,6 +45,8 @@ pub(crate) struct Tailing {
     pub(crate) js: jetstream::Context,
     pub(crate) health: Arc<Health>,
     pub(crate) shutdown: CancellationToken,
+    /// An error that retrying cannot fix (the slot is lost): the relay stops with it.
+    pub(crate) fatal: Arc<Mutex<Option<WalError>>>,
 }
 
 /// What the reader remembers between reads.
@@ -166,6 +168,12 @@ impl Tailing {
                     e @ WalError::Stream { .. } => {
                         warn!(error = %e, "replication connection lost; the slot is free for a standby; reconnecting")
                     }
+                    e @ (WalError::SlotMissing { .. } | WalError::SlotLost { .. }) => {
+                        error!(error = %e, "log tailing cannot go on; the relay stops");
+                        *self.fatal.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+                        self.shutdown.cancel();
+                        break;
+                    }
                     e => error!(error = %e, "log tailing cannot go on; retrying"),
                 }
                 if !backoff.sleep(&self.shutdown).await {
@@ -220,14 +228,13 @@ impl Tailing {
             }
         }
         let mut reader = WalReader::new(cfg.table.clone(), slot.clone(), cfg.publication_name())
-            .streaming(&cfg.database_url, cfg.poll_interval)?;
-        if let Some(at) = reader.setup(conn).await? {
-            let before = wal::rows_before_slot(conn, &cfg.table).await?;
-            if before > 0 {
-                warn!(slot = %slot, lsn = %at, rows = before, "the slot was just created: it reads what commits from now on; rows recorded before it and not marked published by a polling relay are not relayed by log tailing (drain them with a polling relay once)");
-            }
-        }
+            .streaming(&cfg.database_url, cfg.poll_interval)?
+            .recover(cfg.recover_slot);
+        let state = reader.setup(conn).await?;
         self.set_reader(true);
+        if state != SlotState::Ready && !self.first_start(conn, &mut reader, &lease, backoff).await? {
+            return Ok(());
+        }
         info!(slot = %slot, publication = %reader.publication(), "reading the slot");
         let result = self.read_loop(conn, &mut reader, &lease, backoff).await;
         if result.is_ok() {
@@ -237,6 +244,88 @@ impl Tailing {
             info!(slot = %slot, "slot released");
         }
         result
+    }
+
+    /// Makes the slot and publishes, before anything it sends, every row committed before it
+    /// that no relay has published and that is not parked, in `seq` order, read from the
+    /// slot's exported snapshot a page at a time: no gap between the table and the log, and
+    /// nothing twice but what a retry repeats (which JetStream drops). `false` when stopped
+    /// meanwhile (the next start makes the slot again).
+    async fn first_start(
+        &self,
+        conn: &mut AsyncPgConnection,
+        reader: &mut WalReader,
+        lease: &Lease,
+        backoff: &mut Backoff,
+    ) -> Result<bool, WalError> {
+        let cfg = &*self.cfg;
+        let mut snapshot = outbox_diesel::connect(&cfg.database_url).await?;
+        let at = reader.create_slot(conn, &mut snapshot).await?;
+        let mut after = 0i64;
+        let mut published = 0u64;
+        let mut parked: HashSet<i64> = HashSet::new();
+        let mut attempts: HashMap<i64, u32> = HashMap::new();
+        let limit = i64::try_from(cfg.batch_size).unwrap_or(i64::MAX);
+        loop {
+            if self.shutdown.is_cancelled() {
+                return Ok(false);
+            }
+            lease.renew_if_due(conn).await?;
+            let page = wal::snapshot_rows(&mut snapshot, &cfg.table, after, limit).await?;
+            let Some(last) = page.last().map(|r| r.seq) else {
+                break;
+            };
+            let rows: Vec<OutboxRow> = page
+                .into_iter()
+                .filter(|r| !parked.contains(&r.seq))
+                .collect();
+            let (acked, end) =
+                crate::pipeline::publish_batch(&self.js, cfg, &rows, lease, &self.shutdown).await;
+            match end {
+                BatchEnd::Done if acked.len() == rows.len() => {
+                    after = last;
+                    published += rows.len() as u64;
+                    backoff.reset();
+                }
+                // stopped
+                BatchEnd::Done => return Ok(false),
+                // the page again, once the session answered
+                BatchEnd::LeaseUnconfirmed => lease.renew_if_due(conn).await?,
+                BatchEnd::Transient => {
+                    if !backoff.sleep(&self.shutdown).await {
+                        return Ok(false);
+                    }
+                }
+                BatchEnd::RowFailed {
+                    seq,
+                    error,
+                    park_now,
+                    ..
+                } => {
+                    let n = attempts.entry(seq).or_insert(0);
+                    *n += 1;
+                    let n = *n;
+                    match rows.iter().find(|r| r.seq == seq) {
+                        Some(row) if park_now || n >= cfg.max_attempts => {
+                            wal::park(conn, &cfg.table, row, n as i32, &error).await?;
+                            parked.insert(seq);
+                            metrics::counter!(m::ROWS_PARKED).increment(1);
+                            error!(outbox.seq = seq, outbox.id = %row.id, error = %error, "event parked: JetStream keeps rejecting it; `outbox-relay parked` lists it, `outbox-relay retry` publishes it again");
+                        }
+                        _ => {
+                            warn!(outbox.seq = seq, attempts = n, error = %error, "publish rejected; retrying");
+                            if !backoff.sleep(&self.shutdown).await {
+                                return Ok(false);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        wal::end_snapshot(&mut snapshot).await?;
+        reader.finish_slot(conn, at).await?;
+        info!(slot = %reader.slot(), lsn = %at, rows = published, "the rows recorded before the slot are published; reading the slot");
+        Ok(true)
     }
 
     /// Reads the stream and keeps the NATS pipeline full across reads: the rows of what was
@@ -262,16 +351,18 @@ impl Tailing {
         let mut pipe = Pipeline::new(&self.js, cfg, lease, &self.health, &self.shutdown);
         while !self.shutdown.is_cancelled() {
             if Instant::now() >= next_stats {
-                self.stats(conn, reader.slot(), &state).await?;
+                self.stats(conn, reader, &state).await?;
                 next_stats = Instant::now() + cfg.stats_interval;
             }
             if Instant::now() >= next_cleanup {
                 self.cleanup(conn, &state).await?;
                 next_cleanup = Instant::now() + cfg.captured_cleanup_interval;
             }
-            // with acks in flight, take only what has arrived; else wait for a transaction.
             // The stream proves nothing about the session that holds the slot's lock, so the
-            // lease is not confirmed by a read.
+            // lease is not confirmed by a read; an idle reader queries its session instead,
+            // before PostgreSQL ends it as silent (whatever --stats-interval is).
+            lease.renew_if_due(conn).await?;
+            // with acks in flight, take only what has arrived; else wait for a transaction.
             let wait = if pipe.is_empty() {
                 cfg.poll_interval
             } else {
@@ -457,16 +548,18 @@ impl Tailing {
     async fn stats(
         &self,
         conn: &mut AsyncPgConnection,
-        slot: &str,
+        reader: &WalReader,
         state: &State,
     ) -> Result<(), WalError> {
+        let slot = reader.slot();
         let cfg = &*self.cfg;
         let lag_seconds = state
             .oldest_unconfirmed
             .map(|t| (Utc::now() - t).to_std().unwrap_or_default().as_secs_f64())
             .unwrap_or(0.0);
         metrics::gauge!(m::SLOT_LAG_SECONDS).set(lag_seconds);
-        let Some(lag) = wal::slot_lag(conn, slot).await? else {
+        reader.save_position(conn, state.confirmed).await?;
+        let Some(lag) = wal::slot_lag(conn, reader.slot()).await? else {
             return Ok(());
         };
         metrics::gauge!(m::SLOT_LAG_BYTES).set(lag.lag_bytes as f64);

@@ -253,6 +253,11 @@ struct LogTailingArgs {
     /// Warn when the slot's unconfirmed WAL exceeds this many bytes (log-tailing mode).
     #[arg(long, env = "OUTBOX_SLOT_LAG_WARN_BYTES", default_value_t = 1 << 30)]
     slot_lag_warn_bytes: u64,
+    /// When the slot is missing although the relay read it before (dropped, or lost in a
+    /// failover), make a new one and publish again every row still in the table and not
+    /// parked, instead of stopping (log-tailing mode). Pass it once, after the error said so.
+    #[arg(long, env = "OUTBOX_RECOVER_SLOT")]
+    recover_slot: bool,
     /// How long captured rows stay in the table before deletion (log-tailing mode).
     #[arg(long, env = "OUTBOX_CAPTURED_RETENTION", default_value = "1h", value_parser = humantime::parse_duration)]
     captured_retention: Duration,
@@ -368,6 +373,7 @@ async fn run(args: RunArgs) -> ExitCode {
     };
     config.slot = args.log_tailing.slot.clone();
     config.publication = args.log_tailing.publication.clone();
+    config.recover_slot = args.log_tailing.recover_slot;
     config.slot_lag_warn_bytes = args.log_tailing.slot_lag_warn_bytes;
     config.captured_retention = args.log_tailing.captured_retention;
     config.captured_cleanup_interval = args.log_tailing.captured_cleanup_interval;
