@@ -39,13 +39,13 @@ fn relay(name: &str, db: &TestDb, stream: &TestStream, slot: &Slot, args: &[&str
     Proc::spawn(name, &mut relay_command(db, stream, &all))
 }
 
-/// Waits until the relay made the slot and one relay reads it: events recorded from then on
-/// are captured.
+/// Waits until the relay made the slot, published what committed before it, and reads it:
+/// events recorded from then on come from the slot.
 async fn wait_reader(db: &TestDb, slot: &Slot) -> i64 {
     wait_until(
         Duration::from_secs(30),
         "a relay reading the slot",
-        || async { slot.exists(db) && slot.reader(db).is_some() },
+        || async { slot.exists(db) && slot.reader(db).is_some() && slot.streaming(db) },
     )
     .await;
     slot.reader(db).unwrap_or_default()
@@ -517,7 +517,16 @@ fn start_writers_from(
     batch: usize,
     ledger: &Ledger,
 ) -> Vec<std::thread::JoinHandle<()>> {
-    start_paced_writers(db, outbox, first, writers, per_writer, batch, Duration::ZERO, ledger)
+    start_paced_writers(
+        db,
+        outbox,
+        first,
+        writers,
+        per_writer,
+        batch,
+        Duration::ZERO,
+        ledger,
+    )
 }
 
 /// [`start_writers_from`], each writer pausing `pause` before each transaction: writers that
@@ -908,7 +917,12 @@ async fn switching_from_log_tailing_to_ordered_under_load_loses_nothing() {
 }
 
 /// Runs the relay until it exits (within `timeout`); its exit code and what it logged.
-fn run_to_exit(db: &TestDb, stream: &TestStream, args: &[&str], timeout: Duration) -> (i32, String) {
+fn run_to_exit(
+    db: &TestDb,
+    stream: &TestStream,
+    args: &[&str],
+    timeout: Duration,
+) -> (i32, String) {
     let mut child = relay_command(db, stream, args)
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
@@ -972,4 +986,77 @@ async fn a_dropped_slot_stops_the_relay_and_recover_slot_publishes_what_may_be_m
     wait_count(&stream, 150, Duration::from_secs(60)).await;
     let expected = ledger.lock().expect("ledger").clone();
     assert_exactly_once_in_order(&stream.read_all().await, &expected);
+}
+
+/// `outbox-relay retry` releases a parked row while the reader lags behind a backlog and the
+/// cleanup of captured rows runs meanwhile: the row, old and below the confirmed `seq`, was
+/// deleted before the reader read its release, and never published. It is published once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_row_is_published_once_when_cleanup_runs_before_the_reader_sees_the_release() {
+    use async_nats::jetstream::stream::Config;
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let slot = Slot::new(&db);
+    let config = |max_message_size| Config {
+        name: stream.name.clone(),
+        subjects: vec![format!("{}.>", stream.prefix)],
+        max_message_size,
+        ..Default::default()
+    };
+    let js = stream.js().await;
+    js.create_stream(config(1000)).await.expect("stream");
+    let _relay = relay(
+        "relay",
+        &db,
+        &stream,
+        &slot,
+        &[
+            "--max-attempts",
+            "2",
+            "--captured-retention",
+            "0s",
+            "--captured-cleanup-interval",
+            "100ms",
+        ],
+    );
+    wait_reader(&db, &slot).await;
+    let mut conn = db.conn();
+    let big = Changed {
+        account: "P".into(),
+        n: 1,
+        blob: Some("x".repeat(2000)),
+    };
+    let poison = conn.transaction(|c| c.record_event(&big)).expect("record");
+    wait_until(Duration::from_secs(60), "the event parked", || async {
+        db.scalar("SELECT count(*) FROM outbox WHERE parked_at IS NOT NULL") == 1
+    })
+    .await;
+    js.update_stream(config(-1)).await.expect("limit lifted");
+    // a backlog the reader takes a while to publish, then the release behind it
+    let ledger = Ledger::default();
+    for w in start_writers(&db, &Outbox::default(), 2, 40, 50, &ledger) {
+        w.join().expect("writer");
+    }
+    let out = Command::new(relay_bin())
+        .args(["retry", "--all"])
+        .env("DATABASE_URL", &db.url)
+        .output()
+        .expect("retry");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_count(&stream, 4_001, Duration::from_secs(60)).await;
+    let got = stream.read_all().await;
+    let ids: Vec<&str> = got.iter().map(|m| m.msg_id.as_str()).collect();
+    assert_eq!(
+        ids.iter().filter(|id| **id == poison.to_string()).count(),
+        1,
+        "the retried event published once"
+    );
+    assert_eq!(got.len(), 4_001);
+    wait_until(Duration::from_secs(30), "captured rows deleted", || async {
+        db.scalar("SELECT count(*) FROM outbox") == 0
+    })
+    .await;
 }

@@ -378,6 +378,8 @@ pub struct WalReader {
     acked: Lsn,
     /// Whether a missing slot that the record says was read before may be made again.
     recover: bool,
+    /// Released parked rows read and not settled yet: (end of their transaction, `seq`).
+    released: Vec<(Lsn, i64)>,
 }
 
 /// Where a reader's slot stands, as [`WalReader::setup`] finds it.
@@ -526,6 +528,7 @@ impl WalReader {
             stream: None,
             acked: Lsn(0),
             recover: false,
+            released: Vec::new(),
         }
     }
 
@@ -679,7 +682,9 @@ impl WalReader {
             return Ok(());
         }
         let sql = format!(
-            "CREATE TABLE IF NOT EXISTS {t} (slot_name text PRIMARY KEY, table_name text NOT NULL,              state text NOT NULL CHECK (state IN ('snapshot', 'streaming')), confirmed_lsn pg_lsn,              created_at timestamptz NOT NULL DEFAULT now(), updated_at timestamptz NOT NULL DEFAULT now())"
+            "CREATE TABLE IF NOT EXISTS {t} (slot_name text PRIMARY KEY, table_name text NOT NULL, \
+             state text NOT NULL CHECK (state IN ('snapshot', 'streaming')), confirmed_lsn pg_lsn, \
+             created_at timestamptz NOT NULL DEFAULT now(), updated_at timestamptz NOT NULL DEFAULT now())"
         );
         match conn.batch_execute(&sql).await {
             Ok(()) => Ok(()),
@@ -689,16 +694,18 @@ impl WalReader {
                 source: e,
             }),
             // another relay created it meanwhile
-            Err(DieselError::DatabaseError(diesel::result::DatabaseErrorKind::UniqueViolation, _)) => {
-                Ok(())
-            }
+            Err(DieselError::DatabaseError(
+                diesel::result::DatabaseErrorKind::UniqueViolation,
+                _,
+            )) => Ok(()),
             Err(e) => Err(e.into()),
         }
     }
 
     async fn record(&self, conn: &mut AsyncPgConnection) -> Result<Option<SlotRecord>, WalError> {
         let rows: Vec<SlotRecord> = diesel::sql_query(format!(
-            "SELECT state, (confirmed_lsn - '0/0'::pg_lsn)::bigint AS confirmed, updated_at              FROM {} WHERE slot_name = $1",
+            "SELECT state, (confirmed_lsn - '0/0'::pg_lsn)::bigint AS confirmed, updated_at \
+             FROM {} WHERE slot_name = $1",
             self.record_table()
         ))
         .bind::<Text, _>(&self.slot)
@@ -714,7 +721,9 @@ impl WalReader {
         confirmed: Option<Lsn>,
     ) -> Result<(), WalError> {
         diesel::sql_query(format!(
-            "INSERT INTO {} (slot_name, table_name, state, confirmed_lsn) VALUES ($1, $2, $3, $4::pg_lsn)              ON CONFLICT (slot_name) DO UPDATE SET table_name = EXCLUDED.table_name,              state = EXCLUDED.state, confirmed_lsn = EXCLUDED.confirmed_lsn, updated_at = now()",
+            "INSERT INTO {} (slot_name, table_name, state, confirmed_lsn) VALUES ($1, $2, $3, $4::pg_lsn) \
+             ON CONFLICT (slot_name) DO UPDATE SET table_name = EXCLUDED.table_name, \
+             state = EXCLUDED.state, confirmed_lsn = EXCLUDED.confirmed_lsn, updated_at = now()",
             self.record_table()
         ))
         .bind::<Text, _>(&self.slot)
@@ -734,7 +743,9 @@ impl WalReader {
         confirmed: Lsn,
     ) -> Result<(), WalError> {
         diesel::sql_query(format!(
-            "UPDATE {} SET confirmed_lsn = $2::pg_lsn, updated_at = now()              WHERE slot_name = $1 AND state = 'streaming'              AND (confirmed_lsn IS NULL OR confirmed_lsn < $2::pg_lsn)",
+            "UPDATE {} SET confirmed_lsn = $2::pg_lsn, updated_at = now() \
+             WHERE slot_name = $1 AND state = 'streaming' \
+             AND (confirmed_lsn IS NULL OR confirmed_lsn < $2::pg_lsn)",
             self.record_table()
         ))
         .bind::<Text, _>(&self.slot)
@@ -762,14 +773,25 @@ impl WalReader {
         let Some(cfg) = self.streaming.clone() else {
             return Err(self.stream_error("only a streaming reader makes its slot with a snapshot"));
         };
-        if self.check_slot(conn).await? {
+        let mut tries = 0;
+        while self.check_slot(conn).await? {
+            // the sender of a reader that stopped during its first start may linger a moment
             end_stale_sender(conn, &self.slot).await?;
-            diesel::sql_query("SELECT pg_drop_replication_slot($1)")
+            let dropped = diesel::sql_query("SELECT pg_drop_replication_slot($1)")
                 .bind::<Text, _>(&self.slot)
                 .execute(conn)
                 .await
-                .map_err(|e| classify(e, &self.slot))?;
-            tracing::info!(slot = %self.slot, "unfinished replication slot dropped");
+                .map_err(|e| classify(e, &self.slot));
+            match dropped {
+                Ok(_) => {
+                    tracing::info!(slot = %self.slot, "unfinished replication slot dropped");
+                }
+                Err(WalError::SlotBusy { .. }) if tries < 50 => {
+                    tries += 1;
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => return Err(e),
+            }
         }
         self.write_record(conn, "snapshot", None).await?;
         tracing::info!(slot = %self.slot, "creating the replication slot (this waits for the transactions running now to end)");
@@ -823,11 +845,7 @@ impl WalReader {
 
     /// Records that every row recorded before the slot made by [`WalReader::create_slot`] was
     /// published: from now on the slot is read, and a missing slot is an error.
-    pub async fn finish_slot(
-        &self,
-        conn: &mut AsyncPgConnection,
-        at: Lsn,
-    ) -> Result<(), WalError> {
+    pub async fn finish_slot(&self, conn: &mut AsyncPgConnection, at: Lsn) -> Result<(), WalError> {
         self.write_record(conn, "streaming", Some(at)).await
     }
 
@@ -885,7 +903,6 @@ impl WalReader {
             }
         }
     }
-
 
     /// Whether the slot exists; an error when it is not a usable slot of this database.
     async fn check_slot(&self, conn: &mut AsyncPgConnection) -> Result<bool, WalError> {
@@ -1077,7 +1094,7 @@ impl WalReader {
 
     /// The transactions with their rows: a released parked row is read as it is now.
     async fn resolve(
-        &self,
+        &mut self,
         conn: &mut AsyncPgConnection,
         transactions: Vec<(u32, Lsn, DateTime<Utc>, Vec<Captured>)>,
     ) -> Result<Vec<Transaction>, WalError> {
@@ -1089,6 +1106,13 @@ impl WalReader {
                 Captured::Row(_) => None,
             })
             .collect();
+        for (_, end, _, captured) in &transactions {
+            for c in captured {
+                if let Captured::Released(seq) = c {
+                    self.released.push((*end, *seq));
+                }
+            }
+        }
         let mut current_rows: HashMap<i64, OutboxRow> = if released.is_empty() {
             HashMap::new()
         } else {
@@ -1200,6 +1224,35 @@ impl WalReader {
         .await
         .map_err(|e| classify(e, &self.slot))?;
         Ok(Lsn(p.lsn.unwrap_or_default() as u64))
+    }
+
+    /// Settles the released parked rows (`outbox-relay retry`) read in transactions up to
+    /// `confirmed`: their `last_error` is cleared, so that the cleanup of captured rows, which
+    /// passes over rows with a `last_error`, may delete them. A released row keeps it until
+    /// then, so the cleanup cannot delete it before the reader has read the release.
+    pub async fn settle_released(
+        &mut self,
+        conn: &mut AsyncPgConnection,
+        confirmed: Lsn,
+    ) -> Result<(), WalError> {
+        let seqs: Vec<i64> = self
+            .released
+            .iter()
+            .filter(|(end, _)| *end <= confirmed)
+            .map(|(_, seq)| *seq)
+            .collect();
+        if seqs.is_empty() {
+            return Ok(());
+        }
+        diesel::sql_query(format!(
+            "UPDATE {} SET last_error = NULL WHERE seq = ANY($1) AND parked_at IS NULL",
+            self.table.quoted()
+        ))
+        .bind::<Array<BigInt>, _>(&seqs)
+        .execute(conn)
+        .await?;
+        self.released.retain(|(end, _)| *end > confirmed);
+        Ok(())
     }
 
     /// The slot's confirmed position now.
@@ -1666,7 +1719,9 @@ pub async fn park(
 }
 
 /// Deletes up to `limit` captured rows: rows with `seq` at most `up_to_seq` (the highest
-/// `seq` the relay has confirmed), recorded more than `older_than` ago, and not parked.
+/// `seq` the relay has confirmed), recorded more than `older_than` ago, not parked, and
+/// without a `last_error` (a parked row released by `outbox-relay retry` keeps it until the
+/// reader has published it: its release is an UPDATE that the reader reads the row for).
 /// Returns how many. Deleting a row never affects delivery: its insert is in the WAL.
 pub async fn delete_captured(
     conn: &mut AsyncPgConnection,
@@ -1678,7 +1733,7 @@ pub async fn delete_captured(
     let t = table.quoted();
     diesel::sql_query(format!(
         "DELETE FROM {t} WHERE seq IN (SELECT seq FROM {t} WHERE seq <= $1 AND parked_at IS NULL \
-         AND created_at < now() - make_interval(secs => $2) ORDER BY seq LIMIT $3 \
+         AND last_error IS NULL AND created_at < now() - make_interval(secs => $2) ORDER BY seq LIMIT $3 \
          FOR UPDATE SKIP LOCKED)"
     ))
     .bind::<BigInt, _>(up_to_seq)

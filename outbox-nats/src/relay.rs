@@ -355,8 +355,9 @@ impl Relay {
         )
         .streaming(&cfg.database_url, cfg.poll_interval)?
         .recover(cfg.recover_slot);
-        reader.setup(&mut conn).await?;
+        // the replication right first: without it nothing else helps
         reader.check_replication().await?;
+        reader.setup(&mut conn).await?;
         Ok(())
     }
 

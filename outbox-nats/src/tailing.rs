@@ -21,8 +21,8 @@
 //! `outbox-relay retry` releases it (an UPDATE, which the reader sees and publishes then).
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex};
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
@@ -232,7 +232,9 @@ impl Tailing {
             .recover(cfg.recover_slot);
         let state = reader.setup(conn).await?;
         self.set_reader(true);
-        if state != SlotState::Ready && !self.first_start(conn, &mut reader, &lease, backoff).await? {
+        if state != SlotState::Ready
+            && !self.first_start(conn, &mut reader, &lease, backoff).await?
+        {
             return Ok(());
         }
         info!(slot = %slot, publication = %reader.publication(), "reading the slot");
@@ -279,8 +281,15 @@ impl Tailing {
                 .into_iter()
                 .filter(|r| !parked.contains(&r.seq))
                 .collect();
-            let (acked, end) =
-                crate::pipeline::publish_batch(&self.js, cfg, &rows, lease, &self.shutdown).await;
+            let (acked, end) = crate::pipeline::publish_batch(
+                &self.js,
+                cfg,
+                &rows,
+                lease,
+                &self.health,
+                &self.shutdown,
+            )
+            .await;
             match end {
                 BatchEnd::Done if acked.len() == rows.len() => {
                     after = last;
@@ -533,6 +542,7 @@ impl Tailing {
                 Err(WalError::SlotBusy { .. }) => state.confirmed,
                 Err(e) => return Err(e),
             };
+            reader.settle_released(conn, state.confirmed).await?;
             state.max_confirmed_seq = state.max_confirmed_seq.max(max_seq);
             let confirmed = state.confirmed;
             state.parked.retain(|(_, lsn)| *lsn > confirmed);

@@ -54,6 +54,17 @@ impl Slot {
         .await;
     }
 
+    /// Whether the relay's record says the slot is read from the stream: its first start
+    /// (the rows committed before the slot) is over.
+    pub fn streaming(&self, db: &TestDb) -> bool {
+        db.scalar("SELECT count(*) FROM pg_class WHERE relname = 'outbox_relay_slots'") == 1
+            && db.scalar(&format!(
+                "SELECT count(*) FROM outbox_relay_slots WHERE slot_name = '{}' \
+                 AND state = 'streaming'",
+                self.name
+            )) == 1
+    }
+
     pub fn exists(&self, db: &TestDb) -> bool {
         db.scalar(&format!(
             "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{}'",
