@@ -41,6 +41,9 @@ fn record(db: &TestDb, from: i64, n: i64) {
 async fn relay_and_consumer_connect_through_a_seed_list_whose_first_seed_is_down() {
     let mut cluster = NatsCluster::start();
     cluster.kill(0);
+    // when the first node was JetStream's meta leader, the other two elect one (seconds);
+    // what this test checks is the seed list, not the relay's start-up timeout
+    cluster.wait_ready();
     let seeds = cluster.urls();
     let (db, consumer_db) = (TestDb::new(), TestDb::new());
     let stream = TestStream::on(&seeds);
