@@ -1278,6 +1278,10 @@ async fn the_dashboard_and_the_alerts_query_only_metrics_the_relay_exports() {
         |v| v == 1.0,
     )
     .await;
+    wait_until(t, "the reader streaming the slot", || async {
+        slot.streaming(&db)
+    })
+    .await;
     record(&db, 20, 4, "dash");
     exported.extend(exported_metrics(
         &wait_metric(
