@@ -8,7 +8,6 @@
 mod support;
 
 use std::collections::HashMap;
-use std::fs::File;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -16,7 +15,7 @@ use diesel::prelude::*;
 use outbox_diesel::{OutboxEvent, OutboxExt};
 use serde::Serialize;
 use support::servers::NatsServer;
-use support::{Proc, TestDb, TestStream, free_port, http_get, relay_command, wait_until};
+use support::{Proc, Relay, TestDb, TestStream, free_port, http_get, relay_command, wait_until};
 
 /// Inserts `n` rows of `n` distinct aggregates with plain SQL, in one statement.
 fn insert_rows(db: &TestDb, n: i64) {
@@ -35,38 +34,6 @@ fn unpublished(db: &TestDb) -> i64 {
 
 fn parked(db: &TestDb) -> i64 {
     db.scalar("SELECT count(*) FROM outbox WHERE parked_at IS NOT NULL")
-}
-
-/// A relay with its stderr in a temporary file, read back with [`Relay::logs`].
-struct Relay {
-    proc: Proc,
-    log: std::path::PathBuf,
-}
-
-impl Relay {
-    fn start(mut cmd: Command) -> Self {
-        let log = std::env::temp_dir().join(format!(
-            "outbox-hardening-{}.log",
-            uuid::Uuid::now_v7().simple()
-        ));
-        let file = File::create(&log).expect("relay log file");
-        cmd.stdout(Stdio::null()).stderr(Stdio::from(file));
-        Relay {
-            proc: Proc::spawn("outbox-relay", &mut cmd),
-            log,
-        }
-    }
-
-    fn logs(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for Relay {
-    fn drop(&mut self) {
-        self.proc.kill();
-        let _ = std::fs::remove_file(&self.log);
-    }
 }
 
 /// Waits until no row is unpublished, or panics with the relay's log.

@@ -9,7 +9,6 @@ mod support;
 
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::fs::File;
 use std::io::Read as _;
 use std::process::{Command, Output, Stdio};
 use std::sync::Arc;
@@ -20,7 +19,9 @@ use diesel::prelude::*;
 use outbox_diesel::{AsyncOutboxExt, EventHeaders, Outbox, OutboxEvent, OutboxExt};
 use serde::Serialize;
 use support::servers::{NatsServer, nats_server_bin};
-use support::{Proc, TestDb, TestStream, free_port, relay_bin, relay_command, wait_until};
+use support::{
+    Proc, Relay, TestDb, TestStream, free_port, http_get, relay_bin, relay_command, wait_until,
+};
 
 #[derive(Debug, Clone, Serialize, OutboxEvent)]
 #[outbox(aggregate_type = "order", event_type = "order.placed")]
@@ -49,57 +50,6 @@ fn record(db: &TestDb, n: usize, aggregates: usize, tag: &str) {
 
 fn unpublished(db: &TestDb) -> i64 {
     db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL")
-}
-
-/// A relay with its stderr in a temporary file, read back with [`Relay::logs`].
-struct Relay {
-    proc: Proc,
-    log: std::path::PathBuf,
-}
-
-impl Relay {
-    fn start(mut cmd: Command) -> Self {
-        let log =
-            std::env::temp_dir().join(format!("outbox-ops-{}.log", uuid::Uuid::now_v7().simple()));
-        let file = File::create(&log).expect("relay log file");
-        cmd.stdout(Stdio::null()).stderr(Stdio::from(file));
-        Relay {
-            proc: Proc::spawn("outbox-relay", &mut cmd),
-            log,
-        }
-    }
-
-    fn logs(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for Relay {
-    fn drop(&mut self) {
-        self.proc.kill();
-        let _ = std::fs::remove_file(&self.log);
-    }
-}
-
-/// `GET path` over HTTP/1.0; the status code and the body.
-async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let fetch = async {
-        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
-        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
-            .await
-            .ok()?;
-        let mut buf = Vec::new();
-        s.read_to_end(&mut buf).await.ok()?;
-        let text = String::from_utf8_lossy(&buf).into_owned();
-        let (head, body) = text.split_once("\r\n\r\n")?;
-        let code = head.split_whitespace().nth(1)?.parse().ok()?;
-        Some((code, body.to_owned()))
-    };
-    tokio::time::timeout(Duration::from_secs(5), fetch)
-        .await
-        .ok()
-        .flatten()
 }
 
 /// The value of the sample `name` (with every label of `labels`) in a Prometheus text body.

@@ -367,6 +367,39 @@ pub fn relay_command(db: &TestDb, stream: &TestStream, args: &[&str]) -> Command
     cmd
 }
 
+/// A relay process with its stderr in a temporary file, read back with [`Relay::logs`];
+/// killed and its log removed on `Drop`.
+pub struct Relay {
+    pub proc: Proc,
+    log: PathBuf,
+}
+
+impl Relay {
+    pub fn start(mut cmd: Command) -> Self {
+        let log = std::env::temp_dir().join(format!(
+            "outbox-relay-{}.log",
+            uuid::Uuid::now_v7().simple()
+        ));
+        let file = std::fs::File::create(&log).expect("relay log file");
+        cmd.stdout(Stdio::null()).stderr(Stdio::from(file));
+        Relay {
+            proc: Proc::spawn("outbox-relay", &mut cmd),
+            log,
+        }
+    }
+
+    pub fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.proc.kill();
+        let _ = std::fs::remove_file(&self.log);
+    }
+}
+
 /// `GET path` over HTTP/1.0 from `addr`: the status code and the body.
 pub async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
