@@ -677,7 +677,7 @@ impl Bench {
                         if let Some(wait) = due.checked_duration_since(Instant::now()) {
                             std::thread::sleep(wait);
                         }
-                        let id = conn.transaction(|c| c.record_event_with(&outbox, &event(i)))?;
+                        let id = conn.transaction(|c| c.record_event_in(&outbox, &event(i)))?;
                         committed
                             .lock()
                             .map_err(|_| anyhow::anyhow!("poisoned"))?
@@ -828,7 +828,7 @@ impl Bench {
                                 }
                                 WriteKind::RecordEvent
                                 | WriteKind::RecordEventNotifyEveryCommit => {
-                                    c.record_event_with(&outbox, &e)?;
+                                    c.record_event_in(&outbox, &e)?;
                                 }
                             }
                             Ok::<_, diesel::result::Error>(())

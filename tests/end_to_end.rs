@@ -261,7 +261,7 @@ async fn oversized_payloads_are_refused_at_record_time() {
     let small = Outbox::default().max_payload(100);
     let err = conn
         .transaction(|conn| {
-            conn.record_event_with(
+            conn.record_event_in(
                 &small,
                 &BlobStored {
                     id: 2,
@@ -282,7 +282,7 @@ async fn oversized_payloads_are_refused_at_record_time() {
             data: "z".repeat(300),
         },
     ];
-    conn.transaction(|conn| conn.record_events_with(&small, &batch))
+    conn.transaction(|conn| conn.record_events_in(&small, &batch))
         .expect_err("refused");
     assert_eq!(db.scalar("SELECT count(*) FROM outbox"), 0);
 }
@@ -401,7 +401,7 @@ async fn a_schema_qualified_table_of_another_name_works_end_to_end() {
     outbox_diesel::create_table(&mut conn, &table).expect("create table is idempotent");
     let billing = Outbox::new(table.clone());
     conn.transaction(|conn| {
-        conn.record_event_with(
+        conn.record_event_in(
             &billing,
             &OrderPlaced {
                 order_id: "b-1".into(),

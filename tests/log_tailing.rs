@@ -556,7 +556,7 @@ fn start_paced_writers(
                         .map(|k| changed(&agg, (i * batch + k) as i64))
                         .collect();
                     let ids = conn
-                        .transaction(|c| c.record_events_with(&outbox, &events))
+                        .transaction(|c| c.record_events_in(&outbox, &events))
                         .expect("commit");
                     let mut l = ledger.lock().expect("ledger");
                     l.entry(agg)
@@ -725,12 +725,12 @@ async fn a_poison_event_is_parked_passed_over_and_published_again_on_retry() {
         blob: Some("x".repeat(2000)),
     };
     let poison = conn
-        .transaction(|c| c.record_event_with(&outbox, &big))
+        .transaction(|c| c.record_event_in(&outbox, &big))
         .expect("p1");
     let mut expected = Vec::new();
     for (agg, n) in [("P", 2), ("Q", 1), ("Q", 2)] {
         expected.push(
-            conn.transaction(|c| c.record_event_with(&outbox, &changed(agg, n)))
+            conn.transaction(|c| c.record_event_in(&outbox, &changed(agg, n)))
                 .expect("commit")
                 .to_string(),
         );

@@ -48,7 +48,7 @@ impl Default for Notify {
 ///
 /// [`OutboxExt::record_event`] uses [`Outbox::global`] (table `outbox`, 1 MiB limit,
 /// debounced `NOTIFY`); build your own for another table and call [`Outbox::record`] or pass
-/// it to [`OutboxExt::record_event_with`].
+/// it to [`OutboxExt::record_event_in`].
 ///
 /// ```
 /// use std::time::Duration;
@@ -261,10 +261,7 @@ impl Outbox {
         E: OutboxEvent + ?Sized,
     {
         let batch = self.prepare(std::iter::once(event), headers)?;
-        ensure_in_transaction(C::TransactionManager::transaction_manager_status_mut(conn))?;
-        let ids = batch.ids.clone();
-        self.execute_sync(conn, batch)?;
-        Ok(ids[0])
+        Ok(self.execute(conn, batch)?[0])
     }
 
     /// Records every event of `events` with one multi-row `INSERT`, in order; returns their
@@ -290,36 +287,48 @@ impl Outbox {
         E: OutboxEvent,
     {
         let batch = self.prepare(events.iter(), headers)?;
+        self.execute(conn, batch)
+    }
+
+    /// Runs the statements of a prepared batch on a synchronous connection (the async twin is
+    /// `execute_async`; both only run what [`Outbox::statements`] decides).
+    fn execute<C: Connection<Backend = Pg>>(
+        &self,
+        conn: &mut C,
+        batch: InsertEvents,
+    ) -> QueryResult<Vec<Uuid>> {
         ensure_in_transaction(C::TransactionManager::transaction_manager_status_mut(conn))?;
         let ids = batch.ids.clone();
-        if !ids.is_empty() {
-            self.execute_sync(conn, batch)?;
+        for statement in self.statements(batch) {
+            statement.execute(conn)?;
         }
         Ok(ids)
     }
 
-    fn execute_sync<C: Connection<Backend = Pg>>(
-        &self,
-        conn: &mut C,
-        batch: InsertEvents,
-    ) -> QueryResult<()> {
-        let _span = tracing::debug_span!("outbox.record", outbox.table = %self.table, batch.len = batch.ids.len()).entered();
+    /// The statements that record a prepared batch, in order: the insert, the delete of
+    /// [`Outbox::delete_after_insert`], the wake-up when one is due. Called once the caller's
+    /// transaction is checked, so that a refused call claims no wake-up. The one place that
+    /// decides what recording writes, for sync and async connections alike.
+    pub(crate) fn statements(&self, batch: InsertEvents) -> Vec<Statement<'_>> {
+        if batch.ids.is_empty() {
+            return Vec::new();
+        }
+        tracing::debug!(outbox.table = %self.table, batch.len = batch.ids.len(), "outbox.record");
+        let mut statements = Vec::with_capacity(3);
         let delete = self.delete_after_insert.then(|| batch.ids.clone());
-        batch.execute(conn)?;
+        statements.push(Statement::Insert(batch));
         if let Some(ids) = delete {
-            DeleteEvents {
+            statements.push(Statement::Delete(DeleteEvents {
                 table: &self.table,
-                ids: &ids,
-            }
-            .execute(conn)?;
+                ids,
+            }));
         }
         if self.notify_due() {
-            NotifyQuery {
-                channel: self.channel(),
-            }
-            .execute(conn)?;
+            statements.push(Statement::Notify(NotifyQuery {
+                channel: &self.channel,
+            }));
         }
-        Ok(())
+        statements
     }
 
     /// Turns events into the rows to insert, checking each one; every row gets the hook's
@@ -416,10 +425,6 @@ impl Outbox {
                     .is_ok()
             }
         }
-    }
-
-    pub(crate) fn channel(&self) -> &str {
-        &self.channel
     }
 }
 
@@ -546,14 +551,12 @@ impl QueryFragment<Pg> for InsertEvents {
     }
 }
 
-impl<Conn> RunQueryDsl<Conn> for InsertEvents {}
-
 /// `DELETE FROM table WHERE id = ANY($1)`: the second half of
 /// [`Outbox::delete_after_insert`].
 #[derive(Debug)]
 pub(crate) struct DeleteEvents<'a> {
-    pub(crate) table: &'a OutboxTable,
-    pub(crate) ids: &'a [Uuid],
+    table: &'a OutboxTable,
+    ids: Vec<Uuid>,
 }
 
 impl QueryId for DeleteEvents<'_> {
@@ -566,18 +569,16 @@ impl QueryFragment<Pg> for DeleteEvents<'_> {
         out.push_sql("DELETE FROM ");
         self.table.walk_ast(&mut out)?;
         out.push_sql(" WHERE id = ANY(");
-        out.push_bind_param::<Array<SqlUuid>, _>(self.ids)?;
+        out.push_bind_param::<Array<SqlUuid>, _>(&self.ids)?;
         out.push_sql(")");
         Ok(())
     }
 }
 
-impl<Conn> RunQueryDsl<Conn> for DeleteEvents<'_> {}
-
 /// `SELECT pg_notify($1, '')`.
 #[derive(Debug)]
 pub(crate) struct NotifyQuery<'a> {
-    pub(crate) channel: &'a str,
+    channel: &'a str,
 }
 
 impl QueryId for NotifyQuery<'_> {
@@ -594,7 +595,30 @@ impl QueryFragment<Pg> for NotifyQuery<'_> {
     }
 }
 
-impl<Conn> RunQueryDsl<Conn> for NotifyQuery<'_> {}
+/// One statement of a recording (see [`Outbox::statements`]).
+#[derive(Debug)]
+pub(crate) enum Statement<'a> {
+    Insert(InsertEvents),
+    Delete(DeleteEvents<'a>),
+    Notify(NotifyQuery<'a>),
+}
+
+impl QueryId for Statement<'_> {
+    type QueryId = ();
+    const HAS_STATIC_QUERY_ID: bool = false;
+}
+
+impl QueryFragment<Pg> for Statement<'_> {
+    fn walk_ast<'b>(&'b self, out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        match self {
+            Statement::Insert(q) => q.walk_ast(out),
+            Statement::Delete(q) => q.walk_ast(out),
+            Statement::Notify(q) => q.walk_ast(out),
+        }
+    }
+}
+
+impl<Conn> RunQueryDsl<Conn> for Statement<'_> {}
 
 /// Recording on a synchronous Diesel connection: `PgConnection` and pooled (`r2d2`) ones.
 ///
@@ -642,19 +666,46 @@ pub trait OutboxExt {
         headers: &EventHeaders,
     ) -> QueryResult<Uuid>;
 
-    /// Records `event` in `outbox` (another table, limit or wake-up policy).
-    fn record_event_with<E: OutboxEvent + ?Sized>(
+    /// Records `event` in `outbox` (another table, limit or wake-up policy); see
+    /// [`Outbox::record`].
+    fn record_event_in<E: OutboxEvent + ?Sized>(
         &mut self,
         outbox: &Outbox,
         event: &E,
     ) -> QueryResult<Uuid>;
 
-    /// Records `events` in `outbox` with one multi-row `INSERT`.
-    fn record_events_with<E: OutboxEvent>(
+    /// Records `events` in `outbox` with one multi-row `INSERT`; see [`Outbox::record_all`].
+    fn record_events_in<E: OutboxEvent>(
         &mut self,
         outbox: &Outbox,
         events: &[E],
     ) -> QueryResult<Vec<Uuid>>;
+
+    /// The former name of [`OutboxExt::record_event_in`].
+    #[deprecated(
+        since = "0.1.0",
+        note = "renamed to `record_event_in`: `_with` now always means headers"
+    )]
+    fn record_event_with<E: OutboxEvent + ?Sized>(
+        &mut self,
+        outbox: &Outbox,
+        event: &E,
+    ) -> QueryResult<Uuid> {
+        self.record_event_in(outbox, event)
+    }
+
+    /// The former name of [`OutboxExt::record_events_in`].
+    #[deprecated(
+        since = "0.1.0",
+        note = "renamed to `record_events_in`: `_with` now always means headers"
+    )]
+    fn record_events_with<E: OutboxEvent>(
+        &mut self,
+        outbox: &Outbox,
+        events: &[E],
+    ) -> QueryResult<Vec<Uuid>> {
+        self.record_events_in(outbox, events)
+    }
 }
 
 impl<C> OutboxExt for C
@@ -677,7 +728,7 @@ where
         Outbox::global().record_with_headers(self, event, headers)
     }
 
-    fn record_event_with<E: OutboxEvent + ?Sized>(
+    fn record_event_in<E: OutboxEvent + ?Sized>(
         &mut self,
         outbox: &Outbox,
         event: &E,
@@ -685,7 +736,7 @@ where
         outbox.record(self, event)
     }
 
-    fn record_events_with<E: OutboxEvent>(
+    fn record_events_in<E: OutboxEvent>(
         &mut self,
         outbox: &Outbox,
         events: &[E],

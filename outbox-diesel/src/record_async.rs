@@ -7,7 +7,7 @@ use diesel::pg::Pg;
 use diesel_async::{AsyncConnection, RunQueryDsl, TransactionManager};
 use uuid::Uuid;
 
-use crate::record::{DeleteEvents, InsertEvents, NotifyQuery, ensure_in_transaction};
+use crate::record::{InsertEvents, ensure_in_transaction};
 use crate::{EventHeaders, Outbox, OutboxEvent};
 
 impl Outbox {
@@ -16,18 +16,12 @@ impl Outbox {
         &'c self,
         conn: &'c mut C,
         event: &E,
-    ) -> impl Future<Output = QueryResult<Uuid>> + Send + 'c
+    ) -> impl Future<Output = QueryResult<Uuid>> + Send + 'c + use<'c, C, E>
     where
         C: AsyncConnection<Backend = Pg>,
         E: OutboxEvent + ?Sized,
     {
-        let batch = self.prepare(std::iter::once(event), &EventHeaders::new());
-        async move {
-            let batch = batch?;
-            let id = batch.ids[0];
-            self.execute_async(conn, batch).await?;
-            Ok(id)
-        }
+        self.record_with_headers_async(conn, event, &EventHeaders::new())
     }
 
     /// [`Outbox::record_with_headers`] on an async connection.
@@ -36,18 +30,13 @@ impl Outbox {
         conn: &'c mut C,
         event: &E,
         headers: &EventHeaders,
-    ) -> impl Future<Output = QueryResult<Uuid>> + Send + 'c
+    ) -> impl Future<Output = QueryResult<Uuid>> + Send + 'c + use<'c, C, E>
     where
         C: AsyncConnection<Backend = Pg>,
         E: OutboxEvent + ?Sized,
     {
         let batch = self.prepare(std::iter::once(event), headers);
-        async move {
-            let batch = batch?;
-            let id = batch.ids[0];
-            self.execute_async(conn, batch).await?;
-            Ok(id)
-        }
+        async move { Ok(self.execute_async(conn, batch?).await?[0]) }
     }
 
     /// [`Outbox::record_all`] on an async connection.
@@ -55,20 +44,12 @@ impl Outbox {
         &'c self,
         conn: &'c mut C,
         events: &[E],
-    ) -> impl Future<Output = QueryResult<Vec<Uuid>>> + Send + 'c
+    ) -> impl Future<Output = QueryResult<Vec<Uuid>>> + Send + 'c + use<'c, C, E>
     where
         C: AsyncConnection<Backend = Pg>,
         E: OutboxEvent,
     {
-        let batch = self.prepare(events.iter(), &EventHeaders::new());
-        async move {
-            let batch = batch?;
-            let ids = batch.ids.clone();
-            if !ids.is_empty() {
-                self.execute_async(conn, batch).await?;
-            }
-            Ok(ids)
-        }
+        self.record_all_with_headers_async(conn, events, &EventHeaders::new())
     }
 
     /// [`Outbox::record_all_with_headers`] on an async connection.
@@ -77,46 +58,27 @@ impl Outbox {
         conn: &'c mut C,
         events: &[E],
         headers: &EventHeaders,
-    ) -> impl Future<Output = QueryResult<Vec<Uuid>>> + Send + 'c
+    ) -> impl Future<Output = QueryResult<Vec<Uuid>>> + Send + 'c + use<'c, C, E>
     where
         C: AsyncConnection<Backend = Pg>,
         E: OutboxEvent,
     {
         let batch = self.prepare(events.iter(), headers);
-        async move {
-            let batch = batch?;
-            let ids = batch.ids.clone();
-            if !ids.is_empty() {
-                self.execute_async(conn, batch).await?;
-            }
-            Ok(ids)
-        }
+        async move { self.execute_async(conn, batch?).await }
     }
 
-    async fn execute_async<C>(&self, conn: &mut C, batch: InsertEvents) -> QueryResult<()>
+    /// Runs the statements of a prepared batch on an async connection: the twin of the sync
+    /// `execute`, running what [`Outbox::statements`] decides.
+    async fn execute_async<C>(&self, conn: &mut C, batch: InsertEvents) -> QueryResult<Vec<Uuid>>
     where
         C: AsyncConnection<Backend = Pg>,
     {
         ensure_in_transaction(C::TransactionManager::transaction_manager_status_mut(conn))?;
-        tracing::debug!(outbox.table = %self.table(), batch.len = batch.ids.len(), "outbox.record");
-        let delete = self.deletes_after_insert().then(|| batch.ids.clone());
-        batch.execute(conn).await?;
-        if let Some(ids) = delete {
-            DeleteEvents {
-                table: self.table(),
-                ids: &ids,
-            }
-            .execute(conn)
-            .await?;
+        let ids = batch.ids.clone();
+        for statement in self.statements(batch) {
+            statement.execute(conn).await?;
         }
-        if self.notify_due() {
-            NotifyQuery {
-                channel: self.channel(),
-            }
-            .execute(conn)
-            .await?;
-        }
-        Ok(())
+        Ok(ids)
     }
 }
 
@@ -167,19 +129,46 @@ pub trait AsyncOutboxExt {
         headers: &EventHeaders,
     ) -> impl Future<Output = QueryResult<Uuid>> + Send + 'c;
 
-    /// Records `event` in `outbox`.
-    fn record_event_with<'c, E: OutboxEvent + ?Sized>(
+    /// Records `event` in `outbox` (another table, limit or wake-up policy); see
+    /// [`Outbox::record`].
+    fn record_event_in<'c, E: OutboxEvent + ?Sized>(
         &'c mut self,
         outbox: &'c Outbox,
         event: &E,
     ) -> impl Future<Output = QueryResult<Uuid>> + Send + 'c;
 
-    /// Records `events` in `outbox` with one multi-row `INSERT`.
-    fn record_events_with<'c, E: OutboxEvent>(
+    /// Records `events` in `outbox` with one multi-row `INSERT`; see [`Outbox::record_all`].
+    fn record_events_in<'c, E: OutboxEvent>(
         &'c mut self,
         outbox: &'c Outbox,
         events: &[E],
     ) -> impl Future<Output = QueryResult<Vec<Uuid>>> + Send + 'c;
+
+    /// The former name of [`AsyncOutboxExt::record_event_in`].
+    #[deprecated(
+        since = "0.1.0",
+        note = "renamed to `record_event_in`: `_with` now always means headers"
+    )]
+    fn record_event_with<'c, E: OutboxEvent + ?Sized>(
+        &'c mut self,
+        outbox: &'c Outbox,
+        event: &E,
+    ) -> impl Future<Output = QueryResult<Uuid>> + Send + 'c {
+        self.record_event_in(outbox, event)
+    }
+
+    /// The former name of [`AsyncOutboxExt::record_events_in`].
+    #[deprecated(
+        since = "0.1.0",
+        note = "renamed to `record_events_in`: `_with` now always means headers"
+    )]
+    fn record_events_with<'c, E: OutboxEvent>(
+        &'c mut self,
+        outbox: &'c Outbox,
+        events: &[E],
+    ) -> impl Future<Output = QueryResult<Vec<Uuid>>> + Send + 'c {
+        self.record_events_in(outbox, events)
+    }
 }
 
 impl<C> AsyncOutboxExt for C
@@ -208,7 +197,7 @@ where
         Outbox::global().record_with_headers_async(self, event, headers)
     }
 
-    fn record_event_with<'c, E: OutboxEvent + ?Sized>(
+    fn record_event_in<'c, E: OutboxEvent + ?Sized>(
         &'c mut self,
         outbox: &'c Outbox,
         event: &E,
@@ -216,7 +205,7 @@ where
         outbox.record_async(self, event)
     }
 
-    fn record_events_with<'c, E: OutboxEvent>(
+    fn record_events_in<'c, E: OutboxEvent>(
         &'c mut self,
         outbox: &'c Outbox,
         events: &[E],

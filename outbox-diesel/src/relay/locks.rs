@@ -1,0 +1,197 @@
+//! Locks and membership: partition leases and the relays taking part in balancing.
+
+use chrono::{DateTime, Utc};
+use diesel::sql_types::{BigInt, Bool, Integer, Nullable, Text, Timestamptz};
+use diesel::{QueryResult, QueryableByName};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+
+use crate::OutboxTable;
+
+use super::{Flag, Partition};
+
+/// Tries to take the session advisory lock that makes this connection the owner of
+/// `partition` of `table`; `true` when it got it (or already held it).
+///
+/// The lock is `pg_try_advisory_lock(<table oid>, <partition index>)`: it is released when
+/// the connection closes, so a dead relay's partitions are free as soon as PostgreSQL notices
+/// its connection is gone.
+pub async fn try_lock_partition(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    partition: Partition,
+) -> QueryResult<bool> {
+    let f: Flag =
+        diesel::sql_query("SELECT pg_try_advisory_lock(to_regclass($1)::oid::int, $2) AS flag")
+            .bind::<Text, _>(table.quoted())
+            .bind::<Integer, _>(partition.index as i32)
+            .get_result(conn)
+            .await?;
+    Ok(f.flag.unwrap_or(false))
+}
+
+/// Releases the lock taken by [`try_lock_partition`].
+pub async fn unlock_partition(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    partition: Partition,
+) -> QueryResult<bool> {
+    let f: Flag =
+        diesel::sql_query("SELECT pg_advisory_unlock(to_regclass($1)::oid::int, $2) AS flag")
+            .bind::<Text, _>(table.quoted())
+            .bind::<Integer, _>(partition.index as i32)
+            .get_result(conn)
+            .await?;
+    Ok(f.flag.unwrap_or(false))
+}
+
+/// A relay session holding a partition's lease.
+#[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize)]
+pub struct PartitionOwner {
+    /// The partition.
+    #[diesel(sql_type = Integer)]
+    pub partition: i32,
+    /// The owner's backend process id (`pg_stat_activity.pid`).
+    #[diesel(sql_type = Integer)]
+    pub pid: i32,
+    /// The owner's `application_name`.
+    #[diesel(sql_type = Nullable<Text>)]
+    pub application_name: Option<String>,
+    /// The owner's address.
+    #[diesel(sql_type = Nullable<Text>)]
+    pub client_addr: Option<String>,
+    /// Seconds since the owner's current state began.
+    #[diesel(sql_type = diesel::sql_types::Double)]
+    pub state_age_seconds: f64,
+}
+
+/// The sessions that hold partition leases of `table`, by partition.
+pub async fn partition_owners(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+) -> QueryResult<Vec<PartitionOwner>> {
+    diesel::sql_query(
+        "SELECT l.objid::int AS partition, l.pid, a.application_name, host(a.client_addr) AS client_addr, \
+         COALESCE(EXTRACT(EPOCH FROM now() - a.state_change), 0)::float8 AS state_age_seconds \
+         FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+         WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 \
+         AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+         AND l.classid = to_regclass($1)::oid ORDER BY 1",
+    )
+    .bind::<Text, _>(table.quoted())
+    .load(conn)
+    .await
+}
+
+/// A relay process taking part in the partition balancing of a table.
+#[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize)]
+pub struct Member {
+    /// Its session's backend pid.
+    #[diesel(sql_type = Integer)]
+    pub pid: i32,
+    /// The partition count it runs with.
+    #[diesel(sql_type = Integer)]
+    pub partitions: i32,
+    /// Its place in the order the live relays joined (1 for the first): the lowest is the
+    /// oldest. Counted from `pg_locks`, which every role may read.
+    #[diesel(sql_type = BigInt)]
+    pub joined: i64,
+    /// When its session started; `None` when this role may not see it (another role's
+    /// session, without `pg_read_all_stats`).
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    pub backend_start: Option<DateTime<Utc>>,
+}
+
+/// The largest partition count: each partition is a session advisory lock in PostgreSQL's
+/// shared lock table (`max_locks_per_transaction` × `max_connections` entries, 6,400 by
+/// default), which the relays of every table share with the database's other locks.
+pub const MAX_PARTITIONS: u32 = 1024;
+
+/// The low half of a membership key with this bit set carries a partition count; without
+/// it, a join ticket.
+const COUNT_KEY: i64 = 1 << 31;
+
+/// Announces this session as a relay of `table` running with `partitions` partitions, with
+/// two session advisory locks on 64-bit keys whose high half is the table's OID:
+///
+/// - a shared lock on `2^31 + partitions`, which tells [`members`] the session's partition
+///   count;
+/// - an exclusive lock on its join ticket, one more than the highest ticket of the live
+///   relays: the order in which they joined, which [`members`] reports as
+///   [`Member::joined`].
+///
+/// Both show in `pg_locks`, which any role may read (unlike another role's
+/// `pg_stat_activity` row), so relays running as different roles see each other. The
+/// partition locks ([`try_lock_partition`]) use the two-key form, another key space. The
+/// locks last as long as the session. Returns the ticket.
+pub async fn join_members(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    partitions: u32,
+) -> QueryResult<i64> {
+    if partitions == 0 || partitions > MAX_PARTITIONS {
+        return Err(diesel::result::Error::QueryBuilderError(
+            format!("partition count {partitions} is out of range 1..={MAX_PARTITIONS}").into(),
+        ));
+    }
+    let name = table.quoted();
+    diesel::sql_query("SELECT pg_advisory_lock_shared((to_regclass($1)::oid::bigint << 32) | $2)")
+        .bind::<Text, _>(&name)
+        .bind::<BigInt, _>(COUNT_KEY | partitions as i64)
+        .execute(conn)
+        .await?;
+    #[derive(QueryableByName)]
+    struct Ticket {
+        #[diesel(sql_type = BigInt)]
+        ticket: i64,
+        #[diesel(sql_type = Bool)]
+        taken: bool,
+    }
+    // two relays joining at once may pick the same ticket: the one that gets its lock keeps
+    // it, the other picks again
+    for _ in 0..1000 {
+        let t: Ticket = diesel::sql_query(
+            "SELECT t.ticket, pg_try_advisory_lock((t.oid::bigint << 32) | t.ticket) AS taken \
+             FROM (SELECT c.oid, COALESCE((SELECT max(l.objid::bigint) FROM pg_locks l \
+             WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.classid = c.oid \
+             AND l.objid::bigint < 2147483648 \
+             AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())), \
+             0) + 1 AS ticket FROM (SELECT to_regclass($1)::oid AS oid) c) t",
+        )
+        .bind::<Text, _>(&name)
+        .get_result(conn)
+        .await?;
+        if t.ticket >= COUNT_KEY {
+            return Err(diesel::result::Error::QueryBuilderError(
+                "the relays' join tickets are exhausted (2^31 joins while some relay stayed up); stop every relay of the table once to restart them".into(),
+            ));
+        }
+        if t.taken {
+            return Ok(t.ticket);
+        }
+    }
+    Err(diesel::result::Error::QueryBuilderError(
+        "could not take a join ticket: other relays kept taking the same ones".into(),
+    ))
+}
+
+/// The relays of `table` alive now (see [`join_members`]), in the order they joined.
+pub async fn members(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+) -> QueryResult<Vec<Member>> {
+    diesel::sql_query(
+        "SELECT t.pid, (c.objid::bigint - 2147483648)::int AS partitions, \
+         t.objid::bigint AS joined, a.backend_start \
+         FROM pg_locks t JOIN pg_locks c ON c.pid = t.pid AND c.locktype = 'advisory' \
+         AND c.granted AND c.objsubid = 1 AND c.database = t.database AND c.classid = t.classid \
+         AND c.objid::bigint >= 2147483648 \
+         LEFT JOIN pg_stat_activity a ON a.pid = t.pid \
+         WHERE t.locktype = 'advisory' AND t.granted AND t.objsubid = 1 \
+         AND t.objid::bigint < 2147483648 \
+         AND t.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+         AND t.classid = to_regclass($1)::oid ORDER BY t.objid::bigint, t.pid",
+    )
+    .bind::<Text, _>(table.quoted())
+    .load(conn)
+    .await
+}

@@ -1,0 +1,41 @@
+//! The relay's database side (feature `async`): read the unpublished rows of a partition in
+//! `seq` order, mark the acked ones, record failures, and hold a partition's lease.
+//!
+//! `outbox-nats`'s relay drives these; they are public so that other transports can reuse
+//! them. Every function takes the [`OutboxTable`](crate::OutboxTable) it works on. One room
+//! per job:
+//!
+//! - `rows`: [`OutboxRow`], what the relay publishes, and [`Partition`];
+//! - `poll`: the fetches in `seq` order and the session they run in ([`prepare_session`]);
+//! - `marks`: the outcome of a publish ([`mark_published`], [`delete_acked`],
+//!   [`record_failure`]);
+//! - `parking`: parked rows, the rows held back behind them, [`retry_parked`];
+//! - `locks`: partition leases and the membership of the relays balancing a table;
+//! - `stats`: [`backlog`], [`table_stats`], [`oldest_transaction`];
+//! - `cleanup`: [`delete_published`], [`archive_published`].
+
+use diesel::QueryableByName;
+use diesel::sql_types::{Bool, Nullable};
+
+mod cleanup;
+mod locks;
+mod marks;
+mod parking;
+mod poll;
+mod rows;
+mod stats;
+
+pub use cleanup::*;
+pub use locks::*;
+pub use marks::*;
+pub use parking::*;
+pub use poll::*;
+pub use rows::*;
+pub use stats::*;
+
+/// The one-column answer of the queries that return a yes or no.
+#[derive(QueryableByName)]
+struct Flag {
+    #[diesel(sql_type = Nullable<Bool>)]
+    flag: Option<bool>,
+}

@@ -1,0 +1,197 @@
+//! Statistics: the backlog, the table's vacuum figures, the oldest open snapshot.
+
+use chrono::{DateTime, Utc};
+use diesel::sql_types::{BigInt, Integer, Nullable, Text, Timestamptz};
+use diesel::{QueryResult, QueryableByName};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+
+use crate::OutboxTable;
+
+use super::Flag;
+
+/// Whether `table` exists (and is visible to this role).
+pub async fn table_exists(conn: &mut AsyncPgConnection, table: &OutboxTable) -> QueryResult<bool> {
+    let f: Flag = diesel::sql_query("SELECT to_regclass($1) IS NOT NULL AS flag")
+        .bind::<Text, _>(table.quoted())
+        .get_result(conn)
+        .await?;
+    Ok(f.flag.unwrap_or(false))
+}
+
+/// The backlog of a table: unpublished rows, the age of the oldest, parked rows, and the rows
+/// whose publishing was attempted and failed (in doubt).
+#[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize)]
+pub struct Backlog {
+    /// Rows not published yet (parked ones included).
+    #[diesel(sql_type = BigInt)]
+    pub unpublished: i64,
+    /// Seconds since the oldest unpublished row was recorded; 0 when there is none.
+    #[diesel(sql_type = diesel::sql_types::Double)]
+    pub oldest_age_seconds: f64,
+    /// Rows the relay gave up on.
+    #[diesel(sql_type = BigInt)]
+    pub parked: i64,
+    /// Unpublished rows with failed attempts (`attempts > 0`, parked ones included): their
+    /// publishing was tried, so JetStream may hold a copy, and a re-publish older than the
+    /// stream's duplicate window is a real duplicate.
+    #[diesel(sql_type = BigInt)]
+    pub in_doubt: i64,
+    /// Seconds since the oldest in-doubt row was recorded; 0 when there is none.
+    #[diesel(sql_type = diesel::sql_types::Double)]
+    pub oldest_in_doubt_age_seconds: f64,
+}
+
+/// Reads the backlog of `table`.
+pub async fn backlog(conn: &mut AsyncPgConnection, table: &OutboxTable) -> QueryResult<Backlog> {
+    diesel::sql_query(format!(
+        "SELECT count(*) AS unpublished, \
+         COALESCE(EXTRACT(EPOCH FROM now() - min(created_at)), 0)::float8 AS oldest_age_seconds, \
+         count(*) FILTER (WHERE parked_at > '-infinity') AS parked, \
+         count(*) FILTER (WHERE attempts > 0) AS in_doubt, \
+         COALESCE(EXTRACT(EPOCH FROM now() - min(created_at) FILTER (WHERE attempts > 0)), 0)::float8 \
+         AS oldest_in_doubt_age_seconds \
+         FROM {} WHERE published_at IS NULL",
+        table.quoted()
+    ))
+    .get_result(conn)
+    .await
+}
+
+/// The backlog of one partition (see [`partition_backlog`]).
+#[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize)]
+pub struct PartitionBacklog {
+    /// The partition: `aggregate_hash % count`.
+    #[diesel(sql_type = Integer)]
+    pub partition: i32,
+    /// Its unpublished rows (parked ones included).
+    #[diesel(sql_type = BigInt)]
+    pub unpublished: i64,
+    /// Seconds since its oldest unpublished row was recorded; 0 when there is none.
+    #[diesel(sql_type = diesel::sql_types::Double)]
+    pub oldest_age_seconds: f64,
+    /// Its parked rows.
+    #[diesel(sql_type = BigInt)]
+    pub parked: i64,
+}
+
+/// The backlog of every partition of `table` split into `count` partitions, partition by
+/// partition (`0..count`, empty ones included).
+pub async fn partition_backlog(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    count: u32,
+) -> QueryResult<Vec<PartitionBacklog>> {
+    diesel::sql_query(format!(
+        "SELECT p.partition, COALESCE(b.unpublished, 0) AS unpublished, \
+         COALESCE(b.oldest_age_seconds, 0)::float8 AS oldest_age_seconds, \
+         COALESCE(b.parked, 0) AS parked \
+         FROM generate_series(0, $1 - 1) AS p(partition) LEFT JOIN ( \
+         SELECT aggregate_hash % $1 AS partition, count(*) AS unpublished, \
+         EXTRACT(EPOCH FROM now() - min(created_at))::float8 AS oldest_age_seconds, \
+         count(*) FILTER (WHERE parked_at > '-infinity') AS parked \
+         FROM {} WHERE published_at IS NULL GROUP BY 1) b USING (partition) ORDER BY 1",
+        table.quoted()
+    ))
+    .bind::<Integer, _>(count.max(1) as i32)
+    .load(conn)
+    .await
+}
+
+/// What vacuum knows of the outbox table (`pg_stat_user_tables`): dead rows slow the poll
+/// until vacuum removes them, and it can only remove those older than the oldest snapshot
+/// still open (see [`oldest_transaction`]).
+#[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize)]
+pub struct TableStats {
+    /// Live rows, as PostgreSQL's statistics estimate them.
+    #[diesel(sql_type = BigInt)]
+    pub live_rows: i64,
+    /// Dead rows (deleted or updated row versions) not vacuumed yet.
+    #[diesel(sql_type = BigInt)]
+    pub dead_rows: i64,
+    /// The table's size on disk with its indexes and TOAST, in bytes.
+    #[diesel(sql_type = BigInt)]
+    pub total_bytes: i64,
+    /// When autovacuum last vacuumed it.
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    pub last_autovacuum: Option<DateTime<Utc>>,
+    /// When it was last vacuumed by hand.
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    pub last_vacuum: Option<DateTime<Utc>>,
+    /// How often autovacuum vacuumed it (since the statistics were reset).
+    #[diesel(sql_type = BigInt)]
+    pub autovacuum_count: i64,
+    /// When autovacuum last analyzed it.
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    pub last_autoanalyze: Option<DateTime<Utc>>,
+}
+
+/// Reads the vacuum figures of `table`; `None` when the statistics have no row for it.
+pub async fn table_stats(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+) -> QueryResult<Option<TableStats>> {
+    use diesel::OptionalExtension;
+    diesel::sql_query(
+        "SELECT n_live_tup AS live_rows, n_dead_tup AS dead_rows, \
+         pg_total_relation_size(relid) AS total_bytes, last_autovacuum, last_vacuum, \
+         autovacuum_count, last_autoanalyze \
+         FROM pg_stat_user_tables WHERE relid = to_regclass($1)",
+    )
+    .bind::<Text, _>(table.quoted())
+    .get_result(conn)
+    .await
+    .optional()
+}
+
+/// The open transaction or snapshot of this database that has held back vacuum longest (see
+/// [`oldest_transaction`]).
+#[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize)]
+pub struct OldestTransaction {
+    /// Its backend's pid (`pg_stat_activity.pid`).
+    #[diesel(sql_type = Integer)]
+    pub pid: i32,
+    /// Its role.
+    #[diesel(sql_type = Nullable<Text>)]
+    pub role: Option<String>,
+    /// Its `application_name`.
+    #[diesel(sql_type = Nullable<Text>)]
+    pub application_name: Option<String>,
+    /// Its address; `None` for a Unix socket.
+    #[diesel(sql_type = Nullable<Text>)]
+    pub client_addr: Option<String>,
+    /// Its state: `active`, `idle in transaction`, ...
+    #[diesel(sql_type = Nullable<Text>)]
+    pub state: Option<String>,
+    /// Seconds since its transaction (or, outside one, its query) started.
+    #[diesel(sql_type = diesel::sql_types::Double)]
+    pub age_seconds: f64,
+    /// Transactions started since its snapshot (`age(backend_xmin)`): vacuum keeps every row
+    /// version deleted within them.
+    #[diesel(sql_type = Integer)]
+    pub xmin_age: i32,
+}
+
+/// The session of this database whose snapshot is oldest (other than the caller's), if any
+/// holds one: every row deleted or updated since it started stays on disk, and the poll wades
+/// through it, until it ends. An `idle in transaction` session here is the classic cause of a
+/// poll that slows from sub-millisecond to tens of milliseconds.
+///
+/// A role sees the snapshots of other roles' sessions only with `pg_read_all_stats` (e.g.
+/// through `pg_monitor`); without it this shows the oldest of its own role's sessions.
+pub async fn oldest_transaction(
+    conn: &mut AsyncPgConnection,
+) -> QueryResult<Option<OldestTransaction>> {
+    use diesel::OptionalExtension;
+    diesel::sql_query(
+        "SELECT pid, usename::text AS role, application_name, host(client_addr) AS client_addr, \
+         state, COALESCE(EXTRACT(EPOCH FROM now() - COALESCE(xact_start, query_start)), 0)::float8 \
+         AS age_seconds, age(COALESCE(backend_xmin, backend_xid)) AS xmin_age \
+         FROM pg_stat_activity \
+         WHERE COALESCE(backend_xmin, backend_xid) IS NOT NULL AND pid <> pg_backend_pid() \
+         AND datid = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+         ORDER BY age(COALESCE(backend_xmin, backend_xid)) DESC, xact_start LIMIT 1",
+    )
+    .get_result(conn)
+    .await
+    .optional()
+}
