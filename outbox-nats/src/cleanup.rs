@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use diesel::QueryResult;
-use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
+use diesel_async::AsyncPgConnection;
 use outbox_diesel::OutboxTable;
 use outbox_diesel::relay as db;
 use tokio_util::sync::CancellationToken;
@@ -108,7 +108,6 @@ impl Cleanup {
 /// A connection named `outbox-relay-cleanup` in `pg_stat_activity`.
 async fn connect(url: &str) -> Result<AsyncPgConnection, Box<dyn std::error::Error + Send + Sync>> {
     let mut conn = outbox_diesel::connect(url).await?;
-    conn.batch_execute("SET application_name = 'outbox-relay-cleanup'")
-        .await?;
+    outbox_diesel::relay::set_application_name(&mut conn, "outbox-relay-cleanup").await?;
     Ok(conn)
 }

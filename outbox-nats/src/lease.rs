@@ -15,7 +15,8 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
+use diesel_async::AsyncPgConnection;
+use outbox_diesel::relay as db;
 
 /// When the session last proved alive. Shared by the task that queries and the one that
 /// publishes, hence the lock.
@@ -68,7 +69,7 @@ impl Lease {
                 out = &mut work => return Ok(out),
                 _ = tick.tick() => {
                     let started = Instant::now();
-                    conn.batch_execute("SELECT 1").await?;
+                    db::keep_alive(conn).await?;
                     self.confirm(started);
                 }
             }
@@ -88,7 +89,7 @@ impl Lease {
             .is_none_or(|t| t.elapsed() >= self.duration / 3);
         if due {
             let started = Instant::now();
-            conn.batch_execute("SELECT 1").await?;
+            db::keep_alive(conn).await?;
             self.confirm(started);
         }
         Ok(())
@@ -96,19 +97,12 @@ impl Lease {
 
     /// Sets the session timeouts that end a silent session after the lease.
     pub(crate) async fn configure(&self, conn: &mut AsyncPgConnection) -> diesel::QueryResult<()> {
-        let ms = self.duration.as_millis();
-        conn.batch_execute(&format!(
-            "SET application_name = 'outbox-relay'; \
-             SET idle_in_transaction_session_timeout = {ms}"
-        ))
-        .await?;
-        outbox_diesel::relay::prepare_session(conn).await?;
-        // PostgreSQL 14 and later; older servers only release on a dropped connection
-        if let Err(e) = conn
-            .batch_execute(&format!("SET idle_session_timeout = {ms}"))
-            .await
-        {
-            tracing::warn!(error = %e, "the server has no idle_session_timeout (PostgreSQL < 14): a paused relay keeps its partitions until its connection drops");
+        db::set_application_name(conn, "outbox-relay").await?;
+        db::prepare_session(conn).await?;
+        if !db::set_lease_timeouts(conn, self.duration).await? {
+            tracing::warn!(
+                "the server has no idle_session_timeout (PostgreSQL < 14): a paused relay keeps its partitions until its connection drops"
+            );
         }
         Ok(())
     }

@@ -24,7 +24,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use async_nats::jetstream;
-use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use diesel_async::AsyncPgConnection;
 use outbox_diesel::relay::{self as db, OutboxRow, Partition};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
@@ -33,19 +33,13 @@ use crate::RelayConfig;
 use crate::lease::Lease;
 use crate::metrics as m;
 use crate::pipeline::Pipeline;
-use crate::relay::{Backoff, Health, idle, listen, retire, settle};
+use crate::relay::{Backoff, Health, idle, retire, settle};
 
 pub(crate) struct Ordered {
     pub(crate) cfg: Arc<RelayConfig>,
     pub(crate) js: jetstream::Context,
     pub(crate) health: Arc<Health>,
     pub(crate) shutdown: CancellationToken,
-}
-
-#[derive(diesel::QueryableByName)]
-struct Pid {
-    #[diesel(sql_type = diesel::sql_types::Integer)]
-    pid: i32,
 }
 
 impl Ordered {
@@ -103,12 +97,10 @@ impl Ordered {
         let table = &cfg.table;
         let lease = Lease::new(cfg.lease);
         lease.configure(conn).await?;
-        let me: Pid = diesel::sql_query("SELECT pg_backend_pid() AS pid")
-            .get_result(conn)
-            .await?;
+        let me = db::backend_pid(conn).await?;
         db::join_members(conn, table, cfg.partitions).await?;
         if cfg.listen {
-            listen(conn, table).await?;
+            db::listen(conn, table).await?;
         }
         let mut next_balance = Instant::now();
         let mut warned_conflict = false;
@@ -120,7 +112,7 @@ impl Ordered {
         };
         while !self.shutdown.is_cancelled() {
             if Instant::now() >= next_balance {
-                self.balance(conn, me.pid, owned, &mut holding, &mut warned_conflict)
+                self.balance(conn, me, owned, &mut holding, &mut warned_conflict)
                     .await?;
                 next_balance = Instant::now() + cfg.standby_interval;
             }

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream;
-use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
+use diesel_async::AsyncPgConnection;
 use futures_util::StreamExt;
 use outbox_diesel::relay as db;
 use tokio::task::JoinSet;
@@ -428,15 +428,6 @@ impl Relay {
     }
 }
 
-/// `LISTEN` on the table's channel, for the recording side's `NOTIFY`.
-pub(crate) async fn listen(
-    conn: &mut AsyncPgConnection,
-    table: &outbox_diesel::OutboxTable,
-) -> diesel::QueryResult<()> {
-    conn.batch_execute(&format!("LISTEN {}", quote_ident(&table.channel())))
-        .await
-}
-
 /// Waits for a `NOTIFY`, the poll interval (but not past `until`), or shutdown.
 pub(crate) async fn idle(
     conn: &mut AsyncPgConnection,
@@ -512,10 +503,6 @@ pub(crate) async fn settle(
     }
 }
 
-fn quote_ident(s: &str) -> String {
-    format!("\"{}\"", s.replace('"', "\"\""))
-}
-
 /// Refreshes the backlog gauges (per partition too when partitioned), the connection and
 /// readiness gauges, and warns on a stall or a backlog older than the stream's duplicate
 /// window.
@@ -539,8 +526,7 @@ async fn stats(
         metrics::gauge!(m::READY).set(if health.ready() { 1.0 } else { 0.0 });
         if conn.is_none() {
             conn = match outbox_diesel::connect(&cfg.database_url).await {
-                Ok(mut c) => c
-                    .batch_execute("SET application_name = 'outbox-relay-stats'")
+                Ok(mut c) => db::set_application_name(&mut c, "outbox-relay-stats")
                     .await
                     .ok()
                     .map(|()| c),

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use chrono::{DateTime, Utc};
-use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use diesel_async::AsyncPgConnection;
 use outbox_diesel::relay::OutboxRow;
 use outbox_diesel::wal::{self, Lsn, SlotState, WalBatch, WalError, WalReader};
 use tokio_util::sync::CancellationToken;
@@ -490,7 +490,7 @@ impl Tailing {
             if !pipe.stopped() {
                 if !lease.is_valid() {
                     let started = Instant::now();
-                    diesel::sql_query("SELECT 1").execute(conn).await?;
+                    outbox_diesel::relay::keep_alive(conn).await?;
                     lease.confirm(started);
                 }
                 pipe.send(&row).await;

@@ -18,7 +18,7 @@ use tracing::{Instrument, info_span, warn};
 use crate::RelayConfig;
 use crate::lease::Lease;
 use crate::pipeline::{BatchEnd, publish_batch};
-use crate::relay::{Backoff, Health, idle, listen, retire, settle};
+use crate::relay::{Backoff, Health, idle, retire, settle};
 
 pub(crate) struct Unordered {
     pub(crate) cfg: Arc<RelayConfig>,
@@ -65,7 +65,7 @@ impl Unordered {
         let lease = Lease::new(cfg.lease);
         lease.configure(conn).await?;
         if cfg.listen {
-            listen(conn, &cfg.table).await?;
+            db::listen(conn, &cfg.table).await?;
         }
         let mut average_payload = 0;
         while !self.shutdown.is_cancelled() {

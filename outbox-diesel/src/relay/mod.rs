@@ -6,7 +6,9 @@
 //! per job:
 //!
 //! - `rows`: [`OutboxRow`], what the relay publishes, and [`Partition`];
-//! - `poll`: the fetches in `seq` order and the session they run in ([`prepare_session`]);
+//! - `session`: what the relay sets on its sessions ([`prepare_session`], [`set_lease_timeouts`]),
+//!   its keep-alive, `LISTEN` and pid;
+//! - `poll`: the fetches in `seq` order;
 //! - `marks`: the outcome of a publish ([`mark_published`], [`delete_acked`],
 //!   [`record_failure`]);
 //! - `parking`: parked rows, the rows held back behind them, [`retry_parked`];
@@ -23,6 +25,7 @@ mod marks;
 mod parking;
 mod poll;
 mod rows;
+mod session;
 mod stats;
 
 pub use cleanup::*;
@@ -31,6 +34,7 @@ pub use marks::*;
 pub use parking::*;
 pub use poll::*;
 pub use rows::*;
+pub use session::*;
 pub use stats::*;
 
 /// The one-column answer of the queries that return a yes or no.

@@ -229,27 +229,6 @@ pub async fn fetch_ready(
         .collect())
 }
 
-/// Prepares a relay's session: its poll must stay an ordered scan of the partial index on
-/// unpublished rows whatever the table's statistics say. A table that fills faster than
-/// autovacuum analyzes it has statistics that call it empty, and the planner would then sort
-/// the whole backlog on every poll; the relay's session therefore disables sorts and
-/// sequential scans, which leaves the index scans the queries are written for. It also turns
-/// JIT off: a disabled plan node costs 10^10, far above `jit_above_cost`, and compiling the
-/// session's small queries (the membership query on `pg_locks`, which must sort) would take
-/// most of a second each.
-///
-/// Its commits (the marks) do not wait for the WAL flush (`synchronous_commit = off`): a mark
-/// lost in a database crash only makes the relay publish the row again, which JetStream drops
-/// by its message id, the same outcome as a relay that dies between publish and mark.
-pub async fn prepare_session(conn: &mut AsyncPgConnection) -> QueryResult<()> {
-    use diesel_async::SimpleAsyncConnection;
-    conn.batch_execute(
-        "SET enable_sort = off; SET enable_seqscan = off; SET jit = off; \
-         SET synchronous_commit = off",
-    )
-    .await
-}
-
 /// For competing workers, inside a transaction: locks and returns up to `limit` unpublished,
 /// unparked rows, oldest first, skipping rows other workers hold. Order across workers is not
 /// kept. With `max_bytes`, it returns rows only while their payloads stay within that budget
@@ -279,7 +258,7 @@ pub async fn claim_unpublished(
 
 /// The plan of the relay's poll of `partitions` (of `count`; `[0]` of 1 for the whole table)
 /// as `EXPLAIN` prints it, line by line, planned in `conn`'s session: call
-/// [`prepare_session`] first to see the plan the relay gets. The poll should be an `Index
+/// [`prepare_session`](super::prepare_session) first to see the plan the relay gets. The poll should be an `Index
 /// Scan using outbox_ready` (the partial index on unpublished rows that are neither parked
 /// nor held back) under a `Limit`, with no `Sort` and no `Seq Scan`.
 pub async fn explain_poll(
