@@ -33,7 +33,7 @@ use crate::RelayConfig;
 use crate::lease::Lease;
 use crate::metrics as m;
 use crate::pipeline::Pipeline;
-use crate::relay::{Backoff, Health, idle, retire, settle};
+use crate::relay::{Backoff, Health, Session, SessionEnd, idle, reconnecting, retire, settle};
 
 pub(crate) struct Ordered {
     pub(crate) cfg: Arc<RelayConfig>,
@@ -42,35 +42,26 @@ pub(crate) struct Ordered {
     pub(crate) shutdown: CancellationToken,
 }
 
-impl Ordered {
-    pub(crate) async fn run(self) {
-        let mut backoff = Backoff::new(self.cfg.max_backoff);
-        self.health.standby.store(1, Ordering::Relaxed);
-        while !self.shutdown.is_cancelled() {
-            let mut conn = match outbox_diesel::connect(&self.cfg.database_url).await {
-                Ok(c) => c,
-                Err(e) => {
-                    self.health.database_ok.store(false, Ordering::Relaxed);
-                    warn!(error = %e, "cannot connect to PostgreSQL; retrying");
-                    if !backoff.sleep(&self.shutdown).await {
-                        break;
-                    }
-                    continue;
-                }
-            };
-            self.health.database_ok.store(true, Ordering::Relaxed);
-            let mut owned = BTreeSet::new();
-            let result = self.session(&mut conn, &mut owned, &mut backoff).await;
-            owned.clear();
-            self.set_owned(&owned);
-            if let Err(e) = result {
-                self.health.database_ok.store(false, Ordering::Relaxed);
+impl Session for Ordered {
+    async fn run_on(&self, conn: &mut AsyncPgConnection, backoff: &mut Backoff) -> SessionEnd {
+        let mut owned = BTreeSet::new();
+        let result = self.session(conn, &mut owned, backoff).await;
+        owned.clear();
+        self.set_owned(&owned);
+        match result {
+            Ok(()) => SessionEnd::Ended,
+            Err(e) => {
                 warn!(error = %e, "database session lost; its partitions are free for other relays; reconnecting");
-                if !backoff.sleep(&self.shutdown).await {
-                    break;
-                }
+                SessionEnd::Failed
             }
         }
+    }
+}
+
+impl Ordered {
+    pub(crate) async fn run(self) {
+        self.health.standby.store(1, Ordering::Relaxed);
+        reconnecting(&self.cfg, &self.health, &self.shutdown, &self).await;
         self.health.standby.store(0, Ordering::Relaxed);
     }
 

@@ -453,8 +453,63 @@ pub(crate) async fn idle(
     }
 }
 
-/// Acts on how a batch ended: counts and parks a failing row, backs off after a failure.
-/// `false` when shut down meanwhile.
+/// How a mode's database session ended, for [`reconnecting`].
+pub(crate) enum SessionEnd {
+    /// It returned (e.g. it stepped down): connect again at once.
+    Ended,
+    /// It failed (logged by the mode): back off, then connect again.
+    Failed,
+    /// The relay cannot go on: stop the loop.
+    Stop,
+}
+
+/// A mode's work on one database connection, run by [`reconnecting`].
+pub(crate) trait Session {
+    /// Works on `conn` until it fails, steps down or shutdown; logs its own failure.
+    fn run_on(
+        &self,
+        conn: &mut AsyncPgConnection,
+        backoff: &mut Backoff,
+    ) -> impl std::future::Future<Output = SessionEnd> + Send;
+}
+
+/// The one reconnect loop of every mode: connects to PostgreSQL, runs the mode's
+/// [`Session`] on the connection, and after a failure backs off and connects again, until
+/// shutdown (or the session says stop). A connection that cannot be made, or a session that
+/// failed, marks the database down in `health` until the next connection is made.
+pub(crate) async fn reconnecting(
+    cfg: &RelayConfig,
+    health: &Health,
+    shutdown: &CancellationToken,
+    session: &impl Session,
+) {
+    let mut backoff = Backoff::new(cfg.max_backoff);
+    while !shutdown.is_cancelled() {
+        let mut conn = match outbox_diesel::connect(&cfg.database_url).await {
+            Ok(c) => c,
+            Err(e) => {
+                health.database_ok.store(false, Ordering::Relaxed);
+                warn!(error = %e, "cannot connect to PostgreSQL; retrying");
+                if !backoff.sleep(shutdown).await {
+                    break;
+                }
+                continue;
+            }
+        };
+        health.database_ok.store(true, Ordering::Relaxed);
+        match session.run_on(&mut conn, &mut backoff).await {
+            SessionEnd::Ended => {}
+            SessionEnd::Failed => {
+                health.database_ok.store(false, Ordering::Relaxed);
+                if !backoff.sleep(shutdown).await {
+                    break;
+                }
+            }
+            SessionEnd::Stop => break,
+        }
+    }
+}
+
 /// Records that JetStream acked `seqs`: marks them published, or deletes them with
 /// [`RelayConfig::delete_published`].
 pub(crate) async fn retire(
@@ -469,6 +524,8 @@ pub(crate) async fn retire(
     }
 }
 
+/// Acts on how a batch ended: counts and parks a failing row, backs off after a failure.
+/// `false` when shut down meanwhile.
 pub(crate) async fn settle(
     conn: &mut AsyncPgConnection,
     cfg: &RelayConfig,

@@ -38,7 +38,7 @@ use crate::RelayConfig;
 use crate::lease::Lease;
 use crate::metrics as m;
 use crate::pipeline::{BatchEnd, Pipeline};
-use crate::relay::{Backoff, Health};
+use crate::relay::{Backoff, Health, Session, SessionEnd, reconnecting};
 
 pub(crate) struct Tailing {
     pub(crate) cfg: Arc<RelayConfig>,
@@ -140,47 +140,36 @@ impl Window {
     }
 }
 
+impl Session for Tailing {
+    async fn run_on(&self, conn: &mut AsyncPgConnection, backoff: &mut Backoff) -> SessionEnd {
+        let result = self.session(conn, backoff).await;
+        self.set_reader(false);
+        let Err(e) = result else {
+            return SessionEnd::Ended;
+        };
+        match e {
+            WalError::Query(e) => {
+                warn!(error = %e, "database session lost; the slot is free for a standby; reconnecting")
+            }
+            e @ WalError::Stream { .. } => {
+                warn!(error = %e, "replication connection lost; the slot is free for a standby; reconnecting")
+            }
+            e @ (WalError::SlotMissing { .. } | WalError::SlotLost { .. }) => {
+                error!(error = %e, "log tailing cannot go on; the relay stops");
+                *self.fatal.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+                self.shutdown.cancel();
+                return SessionEnd::Stop;
+            }
+            e => error!(error = %e, "log tailing cannot go on; retrying"),
+        }
+        SessionEnd::Failed
+    }
+}
+
 impl Tailing {
     pub(crate) async fn run(self) {
-        let mut backoff = Backoff::new(self.cfg.max_backoff);
         self.set_reader(false);
-        while !self.shutdown.is_cancelled() {
-            let mut conn = match outbox_diesel::connect(&self.cfg.database_url).await {
-                Ok(c) => c,
-                Err(e) => {
-                    self.health.database_ok.store(false, Ordering::Relaxed);
-                    warn!(error = %e, "cannot connect to PostgreSQL; retrying");
-                    if !backoff.sleep(&self.shutdown).await {
-                        break;
-                    }
-                    continue;
-                }
-            };
-            self.health.database_ok.store(true, Ordering::Relaxed);
-            let result = self.session(&mut conn, &mut backoff).await;
-            self.set_reader(false);
-            if let Err(e) = result {
-                self.health.database_ok.store(false, Ordering::Relaxed);
-                match e {
-                    WalError::Query(e) => {
-                        warn!(error = %e, "database session lost; the slot is free for a standby; reconnecting")
-                    }
-                    e @ WalError::Stream { .. } => {
-                        warn!(error = %e, "replication connection lost; the slot is free for a standby; reconnecting")
-                    }
-                    e @ (WalError::SlotMissing { .. } | WalError::SlotLost { .. }) => {
-                        error!(error = %e, "log tailing cannot go on; the relay stops");
-                        *self.fatal.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
-                        self.shutdown.cancel();
-                        break;
-                    }
-                    e => error!(error = %e, "log tailing cannot go on; retrying"),
-                }
-                if !backoff.sleep(&self.shutdown).await {
-                    break;
-                }
-            }
-        }
+        reconnecting(&self.cfg, &self.health, &self.shutdown, &self).await;
         self.health.standby.store(0, Ordering::Relaxed);
     }
 

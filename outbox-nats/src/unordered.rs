@@ -18,7 +18,7 @@ use tracing::{Instrument, info_span, warn};
 use crate::RelayConfig;
 use crate::lease::Lease;
 use crate::pipeline::{BatchEnd, publish_batch};
-use crate::relay::{Backoff, Health, idle, retire, settle};
+use crate::relay::{Backoff, Health, Session, SessionEnd, idle, reconnecting, retire, settle};
 
 pub(crate) struct Unordered {
     pub(crate) cfg: Arc<RelayConfig>,
@@ -27,33 +27,24 @@ pub(crate) struct Unordered {
     pub(crate) shutdown: CancellationToken,
 }
 
-impl Unordered {
-    pub(crate) async fn run(self) {
-        let mut backoff = Backoff::new(self.cfg.max_backoff);
-        while !self.shutdown.is_cancelled() {
-            let mut conn = match outbox_diesel::connect(&self.cfg.database_url).await {
-                Ok(c) => c,
-                Err(e) => {
-                    self.health.database_ok.store(false, Ordering::Relaxed);
-                    warn!(error = %e, "cannot connect to PostgreSQL; retrying");
-                    if !backoff.sleep(&self.shutdown).await {
-                        break;
-                    }
-                    continue;
-                }
-            };
-            self.health.database_ok.store(true, Ordering::Relaxed);
-            self.health.owned.fetch_add(1, Ordering::Relaxed);
-            let result = self.session(&mut conn, &mut backoff).await;
-            self.health.owned.fetch_sub(1, Ordering::Relaxed);
-            if let Err(e) = result {
-                self.health.database_ok.store(false, Ordering::Relaxed);
+impl Session for Unordered {
+    async fn run_on(&self, conn: &mut AsyncPgConnection, backoff: &mut Backoff) -> SessionEnd {
+        self.health.owned.fetch_add(1, Ordering::Relaxed);
+        let result = self.session(conn, backoff).await;
+        self.health.owned.fetch_sub(1, Ordering::Relaxed);
+        match result {
+            Ok(()) => SessionEnd::Ended,
+            Err(e) => {
                 warn!(error = %e, "database session lost; reconnecting");
-                if !backoff.sleep(&self.shutdown).await {
-                    break;
-                }
+                SessionEnd::Failed
             }
         }
+    }
+}
+
+impl Unordered {
+    pub(crate) async fn run(self) {
+        reconnecting(&self.cfg, &self.health, &self.shutdown, &self).await;
     }
 
     async fn session(
