@@ -30,6 +30,7 @@ use futures_util::StreamExt;
 use outbox_diesel::{InboxExt, OutboxEvent, OutboxExt};
 use serde::Serialize;
 use support::checker::{self, DbEvent, Report, StreamMessage};
+use support::proxy::NatsProxy;
 use support::servers::{NatsServer, PgCluster};
 use support::slot::Slot;
 use support::{Proc, TestDb, TestStream, example_bin, relay_bin, relay_command, wait_until};
@@ -238,6 +239,7 @@ struct Relays<'a> {
     stream: &'a TestStream,
     logs: &'a Logs,
     args: Vec<String>,
+    nats_url: Option<String>,
     procs: Vec<Proc>,
     started: usize,
 }
@@ -250,11 +252,25 @@ impl<'a> Relays<'a> {
         args: Vec<String>,
         n: usize,
     ) -> Self {
+        Self::start_via(db, stream, logs, args, n, None)
+    }
+
+    /// [`Relays::start`] with the relays reaching NATS at `nats_url` (e.g. a proxy) instead
+    /// of the stream's server.
+    fn start_via(
+        db: &'a TestDb,
+        stream: &'a TestStream,
+        logs: &'a Logs,
+        args: Vec<String>,
+        n: usize,
+        nats_url: Option<String>,
+    ) -> Self {
         let mut relays = Relays {
             db,
             stream,
             logs,
             args,
+            nats_url,
             procs: Vec::new(),
             started: 0,
         };
@@ -270,6 +286,9 @@ impl<'a> Relays<'a> {
         let args: Vec<&str> = self.args.iter().map(String::as_str).collect();
         let mut cmd = relay_command(self.db, self.stream, &args);
         // the checker compares every row with the stream: keep the published rows
+        if let Some(url) = &self.nats_url {
+            cmd.env("NATS_URL", url);
+        }
         cmd.arg("--no-cleanup")
             .env("NO_COLOR", "1")
             .stdout(Stdio::null())
@@ -968,11 +987,9 @@ async fn consume_with_inbox(db: &TestDb, stream: &TestStream, total: usize) -> (
     (applied, skipped)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn relay_down_past_the_duplicate_window_republishes_and_the_inbox_applies_each_event_once() {
-    let _serial = SERIAL.lock().await;
-    let test = "past_duplicate_window";
-    let (db, stream, logs) = (fault_db(TestDb::new()), TestStream::new(), Logs::new(test));
+/// A stream of `stream`'s name capturing its prefix, with a 1 s duplicate window: what a
+/// re-publish after it would store twice unless the relay reconciles.
+async fn short_window_stream(stream: &TestStream) -> Duration {
     let window = Duration::from_secs(1);
     stream
         .js()
@@ -985,6 +1002,15 @@ async fn relay_down_past_the_duplicate_window_republishes_and_the_inbox_applies_
         })
         .await
         .expect("a stream with a 1 s duplicate window");
+    window
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_down_past_the_duplicate_window_reconciles_instead_of_republishing_ordered() {
+    let _serial = SERIAL.lock().await;
+    let test = "past_duplicate_window";
+    let (db, stream, logs) = (fault_db(TestDb::new()), TestStream::new(), Logs::new(test));
+    let window = short_window_stream(&stream).await;
     diesel::sql_query(
         "CREATE TABLE consumer_effects (event_id uuid PRIMARY KEY, applied integer NOT NULL)",
     )
@@ -1022,26 +1048,160 @@ async fn relay_down_past_the_duplicate_window_republishes_and_the_inbox_applies_
     drop(relays);
 
     let r = report(test, &db, &stream).await;
-    assert_eq!(
-        r.duplicates, 100,
-        "the re-published batch reaches the stream again, and the checker says so: {r}"
-    );
-    assert_eq!(
-        (r.missing, r.orphaned, r.order_violations, r.torn),
-        (0, 0, 0, 0),
-        "{r}"
-    );
-    assert_eq!(r.in_stream, 600, "{r}");
+    r.assert_exact_and_ordered();
+    assert_eq!(r.in_stream, 500, "{r}");
 
     let (applied, skipped) = consume_with_inbox(&db, &stream, r.in_stream).await;
     eprintln!("{test}: the inbox consumer applied {applied}, skipped {skipped} duplicates");
-    assert_eq!((applied, skipped), (500, 100));
+    assert_eq!((applied, skipped), (500, 0));
     assert_eq!(
         db.scalar("SELECT max(applied) FROM consumer_effects"),
         1,
         "no event applied twice"
     );
     assert_eq!(db.scalar("SELECT count(*) FROM consumer_effects"), 500);
+}
+
+/// Log tailing's reader SIGKILLed `kills` times while a writer commits, each time kept down
+/// longer than the duplicate window: the transactions acked and not confirmed are read again
+/// after the restart, and must be reconciled, not stored twice.
+async fn reader_down_past_the_window(test: &str, size: Size, kills: usize) {
+    let _serial = SERIAL.lock().await;
+    let (db, stream, logs) = (fault_db(TestDb::new()), TestStream::new(), Logs::new(test));
+    let window = short_window_stream(&stream).await;
+    let (args, slot) = Mode::LogTailing.setup(&db);
+    let mut relays = Relays::start(&db, &stream, &logs, args, 1);
+    let mut w = steady_writer(&db, &logs, size);
+    let mut rng = Rng::new(test);
+    for k in 1..=kills {
+        next_fault(
+            &db,
+            Size {
+                faults: kills,
+                ..size
+            },
+            k,
+            &mut rng,
+        )
+        .await;
+        relays.procs[0].kill();
+        // down longer than the window: the fault itself, not a synchronisation
+        tokio::time::sleep(window * 2).await;
+        relays.kill_and_restart(0);
+    }
+    let committed = finished(&mut w, size).await;
+    assert_eq!(committed, size.events);
+    drained(&db, slot.as_ref(), size.timeout()).await;
+    drop(relays);
+    let r = report(test, &db, &stream).await;
+    Mode::LogTailing.assert(&r);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reader_killed_and_down_past_the_duplicate_window_duplicates_nothing_log_tailing() {
+    reader_down_past_the_window("reader_down_past_window", SHORT, 3).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: 200,000 events, 20 kills each past the window"]
+async fn long_reader_killed_20_times_past_the_duplicate_window_log_tailing() {
+    reader_down_past_the_window("long_reader_down_past_window", LONG, 20).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// 9. NATS unreachable longer than the duplicate window after storing messages whose acks
+// were lost
+
+/// The short run of scenario 9: slow enough that the writer still commits during each outage.
+const SLOW: Size = Size {
+    events: 3_000,
+    rate: 200,
+    faults: 2,
+};
+
+/// The relays reach NATS through a proxy. `outages` times, while a writer commits, the proxy
+/// drops what the server sends (the messages are stored, their acks lost) until the stream
+/// holds messages the relays did not record, then cuts the connections and refuses new ones
+/// for twice the duplicate window. The relays must reconcile those messages, not store them
+/// again.
+async fn acks_lost_past_the_window(test: &str, mode: Mode, size: Size, outages: usize) {
+    let _serial = SERIAL.lock().await;
+    let (db, stream, logs) = (fault_db(TestDb::new()), TestStream::new(), Logs::new(test));
+    let window = short_window_stream(&stream).await;
+    let proxy = NatsProxy::start(&stream.nats_url);
+    let (args, slot) = mode.setup(&db);
+    let relays = Relays::start_via(&db, &stream, &logs, args, 1, Some(proxy.url()));
+    let mut w = steady_writer(&db, &logs, size);
+    let mut rng = Rng::new(test);
+    let mut lost = 0;
+    for k in 1..=outages {
+        next_fault(
+            &db,
+            Size {
+                faults: outages,
+                ..size
+            },
+            k,
+            &mut rng,
+        )
+        .await;
+        // caught up, so that the rows sent next are fresh and go out without a look-up (the
+        // replies to which the proxy would drop too)
+        wait_until(size.timeout(), "the relay caught up", || async {
+            stream.count().await as i64 >= db.scalar("SELECT count(*) FROM outbox_record") - 100
+        })
+        .await;
+        let before = stream.count().await as i64;
+        proxy.lose_replies();
+        // messages stored whose acks the relays never see
+        wait_until(
+            Duration::from_secs(30),
+            "messages stored while their acks are lost",
+            || async { stream.count().await as i64 > before },
+        )
+        .await;
+        // what the relays send meanwhile is stored too, its acks lost (the fault's length)
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        proxy.down();
+        lost += stream.count().await as i64 - before;
+        // unreachable longer than the window: the fault itself, not a synchronisation
+        tokio::time::sleep(window * 2).await;
+        proxy.up();
+    }
+    eprintln!("{test}: {lost} messages stored while their acks were lost");
+    assert!(
+        lost > 0,
+        "the outages lost no ack: the scenario did not happen"
+    );
+    let committed = finished(&mut w, size).await;
+    assert_eq!(committed, size.events);
+    drained(&db, slot.as_ref(), size.timeout()).await;
+    drop(relays);
+    let r = report(test, &db, &stream).await;
+    mode.assert(&r);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_unreachable_past_the_duplicate_window_with_acks_lost_duplicates_nothing_ordered() {
+    acks_lost_past_the_window("acks_lost_ordered", Mode::Ordered, SLOW, 2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_unreachable_past_the_duplicate_window_with_acks_lost_duplicates_nothing_log_tailing()
+{
+    acks_lost_past_the_window("acks_lost_log_tailing", Mode::LogTailing, SLOW, 2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: 200,000 events, 10 outages with acks lost"]
+async fn long_nats_unreachable_10_times_with_acks_lost_duplicates_nothing_ordered() {
+    acks_lost_past_the_window("long_acks_lost_ordered", Mode::Ordered, LONG, 10).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: 200,000 events, 10 outages with acks lost"]
+async fn long_nats_unreachable_10_times_with_acks_lost_duplicates_nothing_log_tailing() {
+    acks_lost_past_the_window("long_acks_lost_log_tailing", Mode::LogTailing, LONG, 10).await;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -286,6 +286,64 @@ async fn held_open_transaction_is_not_skipped_and_keeps_commit_order_unordered()
     held_open_transactions(&["--mode", "unordered", "--workers", "1"]).await;
 }
 
+/// A row in doubt and older than the duplicate window whose aggregate has a later row in the
+/// stream is not proof that it was published: a transaction that committed after the later
+/// row's was published (a late commit) has never been sent. The relay decides by the row's
+/// message id alone, so the late row is published, once.
+#[tokio::test]
+async fn a_late_commit_older_than_the_duplicate_window_is_published_not_reconciled_away() {
+    use async_nats::jetstream::stream::Config;
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let window = Duration::from_secs(1);
+    stream
+        .js()
+        .await
+        .create_stream(Config {
+            name: stream.name.clone(),
+            subjects: vec![format!("{}.>", stream.prefix)],
+            duplicate_window: window,
+            ..Default::default()
+        })
+        .await
+        .expect("a stream with a 1 s duplicate window");
+    let _relay = relay("relay", &db, &stream, &[]);
+
+    // T1 records a1 (the earlier id and seq) and stays open; its publishing was tried before
+    // (attempts = 1): the row is in doubt once it commits
+    let late = "01900000-0000-7000-8000-0000000000a1";
+    let mut t1 = db.conn();
+    diesel::sql_query("BEGIN").execute(&mut t1).expect("begin");
+    diesel::sql_query(format!(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, attempts) \
+         VALUES ('{late}', 'account', 'A', 'account.changed', '{{\"n\": 1}}', 1)"
+    ))
+    .execute(&mut t1)
+    .expect("a1");
+    // a later row of the same aggregate commits and is published meanwhile
+    db.conn()
+        .transaction(|c| c.record_event(&changed("A", 2)))
+        .expect("a2");
+    wait_until(Duration::from_secs(20), "a2 in the stream", || async {
+        stream.count().await == 1
+    })
+    .await;
+    // T1 commits after the window has passed since a1 was recorded (the scenario itself)
+    tokio::time::sleep(window * 2).await;
+    diesel::sql_query("COMMIT")
+        .execute(&mut t1)
+        .expect("commit T1");
+
+    wait_published(&db, 2, Duration::from_secs(20)).await;
+    let got = stream.read_all().await;
+    let ids: Vec<&str> = got.iter().map(|m| m.msg_id.as_str()).collect();
+    assert_eq!(
+        ids.iter().filter(|&&i| i == late).count(),
+        1,
+        "the late row is in the stream exactly once: {ids:?}"
+    );
+    assert_eq!(got.len(), 2, "{ids:?}");
+}
+
 fn cli(db: &TestDb, args: &[&str]) -> (i32, String, String) {
     let out = Command::new(relay_bin())
         .env("DATABASE_URL", &db.url)

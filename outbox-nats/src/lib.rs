@@ -3,7 +3,9 @@
 //!
 //! - [`Relay`] runs in-process; the `outbox-relay` binary runs the same engine;
 //! - [`publish`] is the publishing contract (subject, headers, body, stream);
-//! - [`subject`] the subject template and the token encoding.
+//! - [`subject`] the subject template and the token encoding;
+//! - [`reconcile`] how a row that may be in the stream already is looked up before it is sent
+//!   again.
 //!
 //! ```no_run
 //! use outbox_nats::{NatsOptions, Relay, RelayConfig};
@@ -28,6 +30,7 @@ pub mod metrics;
 mod ordered;
 mod pipeline;
 pub mod publish;
+pub mod reconcile;
 mod redact;
 mod relay;
 pub mod subject;

@@ -3,6 +3,9 @@
 
 /// Counter: events acked by JetStream.
 pub const EVENTS_PUBLISHED: &str = "outbox_events_published_total";
+/// Counter: rows in doubt found in the stream before a re-publish, and marked (or, with log
+/// tailing, confirmed) instead of published again.
+pub const EVENTS_RECONCILED: &str = "outbox_events_reconciled_total";
 /// Counter: acks that JetStream flagged as duplicates (already in the stream).
 pub const DUPLICATES: &str = "outbox_duplicates_total";
 /// Counter: failed publishes, by `kind`.
@@ -65,6 +68,7 @@ pub fn describe() {
     use metrics::{Unit, counter, describe_counter, describe_gauge, describe_histogram};
     for name in [
         EVENTS_PUBLISHED,
+        EVENTS_RECONCILED,
         DUPLICATES,
         ROWS_PARKED,
         CLEANUP_DELETED,
@@ -73,6 +77,11 @@ pub fn describe() {
         counter!(name).increment(0);
     }
     describe_counter!(EVENTS_PUBLISHED, Unit::Count, "Events acked by JetStream");
+    describe_counter!(
+        EVENTS_RECONCILED,
+        Unit::Count,
+        "Rows in doubt found in the stream and marked instead of published again"
+    );
     describe_counter!(
         DUPLICATES,
         Unit::Count,

@@ -17,6 +17,10 @@
 //! not marked). Every fetch reads from the oldest unpublished row, so a transaction that
 //! commits after later rows were fetched is found by the next fetch, before the later rows of
 //! its aggregate (which, its writes being serialised, commit after it).
+//!
+//! A fetched row older than the stream's duplicate window (less a margin) may have been
+//! published by an owner that died before marking it: it is looked up in the stream first,
+//! and marked in its turn without being sent when its message is there (see `reconcile`).
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -33,11 +37,13 @@ use crate::RelayConfig;
 use crate::lease::Lease;
 use crate::metrics as m;
 use crate::pipeline::Pipeline;
+use crate::reconcile::Reconciler;
 use crate::relay::{Backoff, Health, Session, SessionEnd, idle, reconnecting, retire, settle};
 
 pub(crate) struct Ordered {
     pub(crate) cfg: Arc<RelayConfig>,
     pub(crate) js: jetstream::Context,
+    pub(crate) reconciler: Arc<Reconciler>,
     pub(crate) health: Arc<Health>,
     pub(crate) shutdown: CancellationToken,
 }
@@ -96,6 +102,7 @@ impl Ordered {
         let mut next_balance = Instant::now();
         let mut warned_conflict = false;
         let mut average_payload = 0;
+        let mut lookups = self.reconciler.lookups();
         let mut holding = Holding {
             pipe: Pipeline::new(&self.js, cfg, &lease, &self.health, &self.shutdown),
             held: BTreeSet::new(),
@@ -103,8 +110,14 @@ impl Ordered {
         };
         while !self.shutdown.is_cancelled() {
             if Instant::now() >= next_balance {
+                let before = owned.clone();
                 self.balance(conn, me, owned, &mut holding, &mut warned_conflict)
                     .await?;
+                if !owned.is_subset(&before) {
+                    // a partition taken over: its last owner may have published past any
+                    // horizon read before
+                    lookups.reset();
+                }
                 next_balance = Instant::now() + cfg.standby_interval;
             }
             if owned.is_empty() {
@@ -158,10 +171,24 @@ impl Ordered {
                 // was sent is acked and marked, the rest is fetched again
                 holding.flush(conn).await?;
                 let end = holding.pipe.take_end();
+                // what was sent and not acked may be stored: a new horizon for the next look-ups
+                lookups.reset();
                 if !settle(conn, cfg, end, backoff, &self.shutdown).await? {
                     break;
                 }
                 continue;
+            }
+            // rows old enough to have been published by a relay that did not mark them are
+            // looked up first; those in the stream are marked in their turn, not sent
+            match lookups.stored(&fetched).await {
+                Ok(stored) => pipe.already_stored(stored),
+                Err(e) => {
+                    warn!(error = %e, "rows in doubt cannot be looked up; retrying");
+                    if !backoff.sleep(&self.shutdown).await {
+                        break;
+                    }
+                    continue;
+                }
             }
             backoff.reset();
             held.extend(fetched.iter().map(|r| r.seq));

@@ -3,15 +3,18 @@
 
 use std::collections::{HashSet, VecDeque};
 use std::future::IntoFuture;
+use std::future::Ready;
 use std::sync::atomic::Ordering;
 
 use async_nats::jetstream::context::{PublishError, PublishErrorKind};
 use async_nats::jetstream::{self, publish::PublishAck};
 use futures_util::StreamExt;
+use futures_util::future::Either;
 use futures_util::stream::FuturesOrdered;
 use outbox_diesel::relay::OutboxRow;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, warn};
+use uuid::Uuid;
 
 use crate::RelayConfig;
 use crate::lease::Lease;
@@ -37,18 +40,21 @@ pub(crate) enum BatchEnd {
     },
 }
 
-/// Publishes `rows` in order and waits for their acks. Returns the `seq` of the acked rows and
-/// how it ended.
+/// Publishes `rows` in order, but for those of `stored` (already in the stream, see
+/// [`Pipeline::already_stored`]), and waits for their acks. Returns the `seq` of the acked (or
+/// stored) rows and how it ended.
 pub(crate) async fn publish_batch(
     js: &jetstream::Context,
     cfg: &RelayConfig,
     rows: &[OutboxRow],
+    stored: HashSet<Uuid>,
     lease: &Lease,
     health: &Health,
     shutdown: &CancellationToken,
 ) -> (Vec<i64>, BatchEnd) {
     metrics::histogram!(m::BATCH_ROWS).record(rows.len() as f64);
     let mut pipe = Pipeline::new(js, cfg, lease, health, shutdown);
+    pipe.already_stored(stored);
     pipe.send_all(rows).await;
     pipe.drain().await;
     (pipe.take_acked(), pipe.take_end())
@@ -58,12 +64,17 @@ pub(crate) async fn publish_batch(
 struct Sent {
     seq: i64,
     attempts: i32,
-    key: (String, String),
+    /// The row's aggregate; `None` for a row found in the stream, which was not sent.
+    key: Option<(String, String)>,
     created_at: chrono::DateTime<chrono::Utc>,
 }
 
-type AckFuture =
-    <async_nats::jetstream::context::PublishAckFuture as std::future::IntoFuture>::IntoFuture;
+/// A publish's ack, or (for a row found in the stream) an answer at hand, so that both come
+/// back in send order.
+type AckFuture = Either<
+    <async_nats::jetstream::context::PublishAckFuture as std::future::IntoFuture>::IntoFuture,
+    Ready<Result<PublishAck, PublishError>>,
+>;
 
 /// A window of publishes in flight on one connection that outlives a batch, so that the next
 /// rows are sent while the acks of the previous ones arrive.
@@ -81,6 +92,8 @@ pub(crate) struct Pipeline<'a> {
     acks: FuturesOrdered<AckFuture>,
     sent: VecDeque<Sent>,
     keys: HashSet<(String, String)>,
+    /// Rows the stream holds already (reconciled): settled in turn, not sent.
+    stored: HashSet<Uuid>,
     acked: Vec<i64>,
     end: Option<BatchEnd>,
 }
@@ -102,6 +115,7 @@ impl<'a> Pipeline<'a> {
             acks: FuturesOrdered::new(),
             sent: VecDeque::new(),
             keys: HashSet::new(),
+            stored: HashSet::new(),
             acked: Vec::new(),
             end: None,
         }
@@ -118,9 +132,25 @@ impl<'a> Pipeline<'a> {
         true
     }
 
-    /// Sends `row` once the window has room and no earlier row of its aggregate is unacked.
+    /// Rows (by id) whose message the stream holds already: when their turn comes, they count
+    /// as acked, in send order, without being sent.
+    pub(crate) fn already_stored(&mut self, ids: HashSet<Uuid>) {
+        self.stored.extend(ids);
+    }
+
+    /// Stops the sending with `end` (unless it stopped already): nothing more is sent until
+    /// [`Pipeline::take_end`].
+    pub(crate) fn stop(&mut self, end: BatchEnd) {
+        self.end.get_or_insert(end);
+    }
+
+    /// Sends `row` once the window has room and no earlier row of its aggregate is unacked
+    /// (a row [already stored](Pipeline::already_stored) is settled in its turn instead).
     /// `false` when the pipeline has stopped: the row was not sent, nor will any later one be.
     pub(crate) async fn send(&mut self, row: &OutboxRow) -> bool {
+        if self.stored.contains(&row.id) {
+            return self.settle_stored(row);
+        }
         let key = (row.aggregate_type.clone(), row.aggregate_id.clone());
         while self.end.is_none()
             && !self.acks.is_empty()
@@ -154,12 +184,12 @@ impl<'a> Pipeline<'a> {
             .headers(msg.headers);
         match self.js.send_publish(msg.subject, publish).await {
             Ok(ack) => {
-                self.acks.push_back(ack.into_future());
+                self.acks.push_back(Either::Left(ack.into_future()));
                 self.sent.push_back(Sent {
                     seq: row.seq,
                     attempts: row.attempts,
                     created_at: row.created_at,
-                    key: key.clone(),
+                    key: Some(key.clone()),
                 });
                 self.keys.insert(key);
                 true
@@ -169,6 +199,28 @@ impl<'a> Pipeline<'a> {
                 false
             }
         }
+    }
+
+    /// Settles a row the stream holds already, behind the acks in flight; `false` when the
+    /// pipeline has stopped.
+    fn settle_stored(&mut self, row: &OutboxRow) -> bool {
+        if self.end.is_some() || self.shutdown.is_cancelled() {
+            return false;
+        }
+        if !self.lease.is_valid() {
+            self.end = Some(BatchEnd::LeaseUnconfirmed);
+            return false;
+        }
+        self.stored.remove(&row.id);
+        self.acks
+            .push_back(Either::Right(std::future::ready(Ok(PublishAck::default()))));
+        self.sent.push_back(Sent {
+            seq: row.seq,
+            attempts: row.attempts,
+            created_at: row.created_at,
+            key: None,
+        });
+        true
     }
 
     /// Waits for the oldest ack in flight, if any.
@@ -218,7 +270,14 @@ impl<'a> Pipeline<'a> {
     }
 
     fn on_ack(&mut self, sent: Sent, result: Result<PublishAck, PublishError>) {
-        self.keys.remove(&sent.key);
+        let Some(key) = &sent.key else {
+            // found in the stream: published before, by this relay or an earlier one
+            self.health.progressed();
+            self.acked.push(sent.seq);
+            metrics::counter!(m::EVENTS_RECONCILED).increment(1);
+            return;
+        };
+        self.keys.remove(key);
         match result {
             Ok(ack) => {
                 self.health.progressed();

@@ -19,6 +19,7 @@ use crate::metrics as m;
 use crate::ordered::Ordered;
 use crate::pipeline::BatchEnd;
 use crate::publish::{StreamInfo, ensure_stream};
+use crate::reconcile::Reconciler;
 use crate::tailing::Tailing;
 use crate::unordered::Unordered;
 use crate::{Mode, RelayConfig};
@@ -255,6 +256,14 @@ impl Relay {
                 "outbox relay started"
             ),
         }
+        let reconciler = Arc::new(Reconciler::new(
+            js.clone(),
+            &stream.name,
+            cfg.subject_template.clone(),
+            &cfg.subject_prefix,
+            stream.duplicate_window,
+        ));
+        debug!(check_after = ?reconciler.check_after(), "rows older than this are looked up in the stream before they are sent");
         self.health
             .stuck_after_ms
             .store(cfg.stall_after.as_millis() as u64, Ordering::Relaxed);
@@ -270,6 +279,7 @@ impl Relay {
                 let ordered = Ordered {
                     cfg: cfg.clone(),
                     js: js.clone(),
+                    reconciler: reconciler.clone(),
                     health: self.health.clone(),
                     shutdown: shutdown.clone(),
                 };
@@ -280,6 +290,7 @@ impl Relay {
                     let unordered = Unordered {
                         cfg: cfg.clone(),
                         js: js.clone(),
+                        reconciler: reconciler.clone(),
                         health: self.health.clone(),
                         shutdown: shutdown.clone(),
                     };
@@ -294,6 +305,7 @@ impl Relay {
                 let tailing = Tailing {
                     cfg: cfg.clone(),
                     js: js.clone(),
+                    reconciler: reconciler.clone(),
                     health: self.health.clone(),
                     shutdown: shutdown.clone(),
                     fatal: fatal.clone(),
@@ -607,8 +619,8 @@ async fn stats(
                         "outbox backlog is stalled: its oldest row waits longer than --stall-after"
                     );
                 }
-                // an in-doubt row may already be in the stream: once older than the window, its
-                // re-publish is a duplicate that only consumers can drop
+                // an in-doubt row may already be in the stream: once older than the window, JetStream
+                // no longer drops its re-publish, so the relay looks it up first (`reconcile`)
                 let beyond =
                     b.oldest_age_seconds > window || b.oldest_in_doubt_age_seconds > window;
                 metrics::gauge!(m::BEYOND_DUPLICATE_WINDOW).set(if beyond { 1.0 } else { 0.0 });
@@ -618,7 +630,7 @@ async fn stats(
                         in_doubt = b.in_doubt,
                         oldest_in_doubt_age_seconds = b.oldest_in_doubt_age_seconds,
                         duplicate_window = ?duplicate_window,
-                        "unpublished or in-doubt rows are older than the stream's duplicate window: a re-publish of them would not be deduplicated by JetStream, only by consumers"
+                        "unpublished or in-doubt rows are older than the stream's duplicate window: JetStream would not drop a re-publish of them, so each is looked up in the stream before it is sent (outbox_events_reconciled_total counts those found)"
                     );
                 }
             }

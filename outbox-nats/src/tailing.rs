@@ -11,8 +11,9 @@
 //!
 //! A crash can only repeat, never skip: the slot's confirmed position moves only to the end
 //! of a transaction whose events, and every earlier transaction's, JetStream acked. The next
-//! reader reads from there; what was published after it is published again, and JetStream
-//! drops it within the duplicate window.
+//! reader reads from there; what was published after it comes again: JetStream drops it
+//! within the duplicate window, and a row older than that is looked up in the stream first
+//! and confirmed without being sent when it is there (see `reconcile`).
 //!
 //! Poison events: the log cannot leave one event behind and go on in order, so a row
 //! JetStream keeps rejecting holds the reader (retried with backoff) until `max_attempts`,
@@ -38,11 +39,13 @@ use crate::RelayConfig;
 use crate::lease::Lease;
 use crate::metrics as m;
 use crate::pipeline::{BatchEnd, Pipeline};
+use crate::reconcile::{Lookups, Reconciler};
 use crate::relay::{Backoff, Health, Session, SessionEnd, reconnecting};
 
 pub(crate) struct Tailing {
     pub(crate) cfg: Arc<RelayConfig>,
     pub(crate) js: jetstream::Context,
+    pub(crate) reconciler: Arc<Reconciler>,
     pub(crate) health: Arc<Health>,
     pub(crate) shutdown: CancellationToken,
     /// An error that retrying cannot fix (the slot is lost): the relay stops with it.
@@ -270,10 +273,22 @@ impl Tailing {
                 .into_iter()
                 .filter(|r| !parked.contains(&r.seq))
                 .collect();
+            // rows a polling relay may have published without marking them
+            let stored = match self.reconciler.lookups().stored(&rows).await {
+                Ok(stored) => stored,
+                Err(e) => {
+                    warn!(error = %e, "rows in doubt cannot be looked up; retrying");
+                    if !backoff.sleep(&self.shutdown).await {
+                        return Ok(false);
+                    }
+                    continue;
+                }
+            };
             let (acked, end) = crate::pipeline::publish_batch(
                 &self.js,
                 cfg,
                 &rows,
+                stored,
                 lease,
                 &self.health,
                 &self.shutdown,
@@ -346,6 +361,7 @@ impl Tailing {
         let mut next_stats = Instant::now();
         let mut next_cleanup = Instant::now() + cfg.captured_cleanup_interval;
         let mut window = Window::default();
+        let mut lookups = self.reconciler.lookups();
         let mut pipe = Pipeline::new(&self.js, cfg, lease, &self.health, &self.shutdown);
         while !self.shutdown.is_cancelled() {
             if Instant::now() >= next_stats {
@@ -385,9 +401,17 @@ impl Tailing {
                     "outbox.batch",
                     batch.transactions = batch.transactions.len()
                 );
-                self.send(conn, &mut pipe, &mut window, batch, &state.parked, lease)
-                    .instrument(span)
-                    .await?;
+                self.send(
+                    conn,
+                    &mut pipe,
+                    &mut window,
+                    &mut lookups,
+                    batch,
+                    &state.parked,
+                    lease,
+                )
+                .instrument(span)
+                .await?;
             } else {
                 if pipe.is_empty() {
                     self.health.progressed();
@@ -413,6 +437,8 @@ impl Tailing {
                 .await?;
             let end = pipe.take_end();
             reader.rewind();
+            // what was sent and not acked may be stored: a new horizon for the next look-ups
+            lookups.reset();
             let failed = match &end {
                 BatchEnd::RowFailed { seq, .. } => window.unacked_row(*seq, &acked),
                 _ => None,
@@ -463,17 +489,31 @@ impl Tailing {
     /// until it stops. Before a row is sent, a lease in doubt is renewed with a query: a
     /// transaction of many events is read whole and may take longer than half the lease to
     /// publish, and the lease must not lapse on a live session.
+    #[allow(clippy::too_many_arguments)]
     async fn send(
         &self,
         conn: &mut AsyncPgConnection,
         pipe: &mut Pipeline<'_>,
         window: &mut Window,
+        lookups: &mut Lookups,
         batch: WalBatch,
         parked: &HashSet<(Uuid, Lsn)>,
         lease: &Lease,
     ) -> Result<(), WalError> {
         window.caught_up_to = window.caught_up_to.max(batch.caught_up_to);
         let (rows, txn_of) = pending_rows(&batch, parked);
+        // transactions read again (after a restart or a failed publish) may be in the stream
+        // already: their rows old enough for that are looked up, and found ones are confirmed
+        // in their turn, not sent
+        if !pipe.stopped() {
+            match lookups.stored(&rows).await {
+                Ok(stored) => pipe.already_stored(stored),
+                Err(e) => {
+                    warn!(error = %e, "rows in doubt cannot be looked up; reading them again");
+                    pipe.stop(BatchEnd::Transient);
+                }
+            }
+        }
         let base = window.batch.transactions.len();
         for (row, t) in rows.into_iter().zip(txn_of) {
             if !pipe.stopped() {

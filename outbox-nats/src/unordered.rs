@@ -18,11 +18,13 @@ use tracing::{Instrument, info_span, warn};
 use crate::RelayConfig;
 use crate::lease::Lease;
 use crate::pipeline::{BatchEnd, publish_batch};
+use crate::reconcile::Reconciler;
 use crate::relay::{Backoff, Health, Session, SessionEnd, idle, reconnecting, retire, settle};
 
 pub(crate) struct Unordered {
     pub(crate) cfg: Arc<RelayConfig>,
     pub(crate) js: jetstream::Context,
+    pub(crate) reconciler: Arc<Reconciler>,
     pub(crate) health: Arc<Health>,
     pub(crate) shutdown: CancellationToken,
 }
@@ -61,6 +63,7 @@ impl Unordered {
         let mut average_payload = 0;
         while !self.shutdown.is_cancelled() {
             let (js, shutdown, lease, health) = (&self.js, &self.shutdown, &lease, &*self.health);
+            let reconciler = &*self.reconciler;
             let average_payload = &mut average_payload;
             let end = conn
                 .transaction(async |conn| {
@@ -81,9 +84,22 @@ impl Unordered {
                     }
                     let span = info_span!("outbox.batch", batch.len = rows.len());
                     // the rows stay locked by this transaction until the acks are marked:
-                    // slow acks must not let the idle timeout end it and hand them over
-                    let publish =
-                        publish_batch(js, cfg, &rows, lease, health, shutdown).instrument(span);
+                    // slow acks (and look-ups) must not let the idle timeout end it and hand
+                    // them over
+                    let publish = async {
+                        // rows old enough to have been published by a worker that did not
+                        // mark them are looked up first; those in the stream are not sent
+                        // other workers publish meanwhile: a horizon of this pass's own
+                        let stored = match reconciler.lookups().stored(&rows).await {
+                            Ok(stored) => stored,
+                            Err(e) => {
+                                warn!(error = %e, "rows in doubt cannot be looked up; retrying");
+                                return (Vec::new(), BatchEnd::Transient);
+                            }
+                        };
+                        publish_batch(js, cfg, &rows, stored, lease, health, shutdown).await
+                    }
+                    .instrument(span);
                     let (acked, end) = lease.keep_alive(conn, publish).await?;
                     retire(conn, cfg, &acked).await?;
                     Ok(Some(end))
