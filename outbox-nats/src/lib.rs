@@ -17,6 +17,7 @@
 //! # Ok(()) }
 //! ```
 
+#[cfg(feature = "admin")]
 pub mod admin;
 pub mod backoff;
 pub mod cleanup;
