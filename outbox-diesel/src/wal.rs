@@ -1424,7 +1424,8 @@ impl WalReader {
                     ..
                 } => {
                     messages += 1;
-                    st.open = Some((xid, pgoutput::commit_time(commit_time_micros), Vec::new()));
+                    // the replication protocol counts from 2000-01-01, not 1970
+                    st.open = Some((xid, pgoutput::pg_time(commit_time_micros), Vec::new()));
                 }
                 Event::XLogData { data, .. } => {
                     messages += 1;

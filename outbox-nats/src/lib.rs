@@ -26,6 +26,7 @@ mod connect;
 pub mod consumer;
 mod lease;
 pub mod metrics;
+pub mod operations;
 mod ordered;
 mod pipeline;
 pub mod publish;
