@@ -21,6 +21,8 @@
 pub mod admin;
 pub mod backoff;
 pub mod cleanup;
+#[cfg(feature = "cli")]
+pub mod cli;
 mod config;
 mod connect;
 pub mod consumer;

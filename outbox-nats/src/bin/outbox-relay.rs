@@ -5,7 +5,6 @@
 //! `outbox-relay cleanup` deletes published rows once.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -13,6 +12,7 @@ use clap::{Args, Parser, Subcommand};
 use diesel_async::AsyncPgConnection;
 use outbox_diesel::OutboxTable;
 use outbox_diesel::relay as db;
+use outbox_nats::cli::{DbArgs, NatsArgs};
 use outbox_nats::operations;
 use outbox_nats::subject::SubjectTemplate;
 use outbox_nats::{Mode, NatsOptions, Relay, RelayConfig, redact_url};
@@ -120,27 +120,11 @@ struct RetryArgs {
 }
 
 #[derive(Debug, Args)]
-struct DbArgs {
-    /// PostgreSQL URL of the database holding the outbox.
-    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
-    database_url: String,
-    /// The outbox table, `table` or `schema.table`.
-    #[arg(long, env = "OUTBOX_TABLE", default_value = "outbox")]
-    table: OutboxTable,
-}
-
-#[derive(Debug, Args)]
 struct RunArgs {
     #[command(flatten)]
     db: DbArgs,
-    /// NATS server URL(s), comma-separated.
-    #[arg(
-        long,
-        env = "NATS_URL",
-        default_value = "nats://127.0.0.1:4222",
-        hide_env_values = true
-    )]
-    nats_url: String,
+    #[command(flatten)]
+    nats: NatsArgs,
     /// JetStream stream; created (subjects `{prefix}.>`) when missing.
     #[arg(long, env = "OUTBOX_STREAM", default_value = "OUTBOX")]
     stream: String,
@@ -206,33 +190,6 @@ struct RunArgs {
     /// Serve /metrics, /healthz and /readyz on this address (e.g. 127.0.0.1:9187).
     #[arg(long, env = "OUTBOX_METRICS_ADDR")]
     metrics_addr: Option<SocketAddr>,
-    /// NATS credentials file (.creds).
-    #[arg(long, env = "NATS_CREDS")]
-    nats_creds: Option<PathBuf>,
-    /// NATS nkey seed.
-    #[arg(long, env = "NATS_NKEY", hide_env_values = true)]
-    nats_nkey: Option<String>,
-    /// NATS user (with --nats-password).
-    #[arg(long, env = "NATS_USER")]
-    nats_user: Option<String>,
-    /// NATS password.
-    #[arg(long, env = "NATS_PASSWORD", hide_env_values = true)]
-    nats_password: Option<String>,
-    /// NATS token.
-    #[arg(long, env = "NATS_TOKEN", hide_env_values = true)]
-    nats_token: Option<String>,
-    /// Require TLS to NATS.
-    #[arg(long, env = "NATS_TLS_REQUIRED")]
-    nats_tls_required: bool,
-    /// CA certificate (PEM) for NATS TLS.
-    #[arg(long, env = "NATS_TLS_CA")]
-    nats_tls_ca: Option<PathBuf>,
-    /// Client certificate (PEM) for NATS TLS.
-    #[arg(long, env = "NATS_TLS_CERT", requires = "nats_tls_key")]
-    nats_tls_cert: Option<PathBuf>,
-    /// Client key (PEM) for NATS TLS.
-    #[arg(long, env = "NATS_TLS_KEY", requires = "nats_tls_cert")]
-    nats_tls_key: Option<PathBuf>,
     /// Log format.
     #[arg(long, env = "OUTBOX_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
@@ -380,19 +337,10 @@ async fn run(args: RunArgs) -> ExitCode {
         error!("invalid configuration: {e}");
         return ExitCode::from(2);
     }
-    let mut nats = NatsOptions::new(args.nats_url.clone());
-    nats.credentials_file = args.nats_creds.clone();
-    nats.nkey_seed = args.nats_nkey.clone();
-    nats.user = args.nats_user.clone();
-    nats.password = args.nats_password.clone();
-    nats.token = args.nats_token.clone();
-    nats.tls_required = args.nats_tls_required;
-    nats.tls_ca = args.nats_tls_ca.clone();
-    nats.tls_cert = args.nats_tls_cert.clone();
-    nats.tls_key = args.nats_tls_key.clone();
+    let nats = args.nats.options();
     info!(
         database = %redact_url(&args.db.database_url),
-        nats = %redact_url(&args.nats_url),
+        nats = %redact_url(&args.nats.nats_url),
         "connecting"
     );
     let client = match connect_nats(&nats, args.startup_timeout).await {
