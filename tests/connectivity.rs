@@ -40,13 +40,25 @@ fn record(db: &TestDb, from: i64, n: i64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_and_consumer_connect_through_a_seed_list_whose_first_seed_is_down() {
     let mut cluster = NatsCluster::start();
-    cluster.kill(0);
-    // when the first node was JetStream's meta leader, the other two elect one (seconds);
-    // what this test checks is the seed list, not the relay's start-up timeout
-    cluster.wait_ready();
     let seeds = cluster.urls();
-    let (db, consumer_db) = (TestDb::new(), TestDb::new());
     let stream = TestStream::on(&seeds);
+    // the stream exists on all three nodes before the first goes down: one made afterwards
+    // can be placed on the dead node while the meta leader still counts it as up, and would
+    // never answer; what this test checks is the seed list, not JetStream's placement
+    let js = stream.js().await;
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: stream.name.clone(),
+        subjects: vec![format!("{}.>", stream.prefix)],
+        num_replicas: 3,
+        ..Default::default()
+    })
+    .await
+    .expect("a stream replicated on the three nodes");
+    drop(js);
+    cluster.kill(0);
+    // when the first node was JetStream's meta leader, the other two elect one (seconds)
+    cluster.wait_ready();
+    let (db, consumer_db) = (TestDb::new(), TestDb::new());
     record(&db, 0, 20);
 
     let _relay = Proc::spawn("outbox-relay", &mut relay_command(&db, &stream, &[]));

@@ -1082,3 +1082,140 @@ async fn unordered_workers_hold_large_payloads_within_their_byte_budget() {
     // four workers, four connections and their allocator caches
     assert!(peak < 64 << 20, "peak RSS {peak} bytes");
 }
+
+// ---------------------------------------------------------------------------------------------
+// 14. decisions on the server's state and codes, not on its words
+
+/// Connects to `url` for the reader (diesel-async).
+async fn reader_conn(url: &str) -> diesel_async::AsyncPgConnection {
+    use diesel_async::AsyncConnection;
+    diesel_async::AsyncPgConnection::establish(url)
+        .await
+        .unwrap_or_else(|e| panic!("connect to {url}: {e}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn log_tailing_sorts_its_errors_alike_when_the_server_speaks_german() {
+    use outbox_diesel::OutboxTable;
+    use outbox_diesel::wal::{WalError, WalReader, pending_age_seconds};
+    use support::servers::PgCluster;
+
+    let mut cluster = PgCluster::start_german();
+    let db = TestDb::on(&cluster.base_url());
+    let mut admin = db.conn();
+    let said = diesel::sql_query("SELECT 1/0")
+        .execute(&mut admin)
+        .expect_err("a division by zero")
+        .to_string();
+    assert!(
+        said.contains("Division durch Null"),
+        "the server speaks German: {said}"
+    );
+    // a role with the README's grants only: neither the table's owner nor REPLICATION, no
+    // CREATE on the schema
+    diesel::connection::SimpleConnection::batch_execute(
+        &mut admin,
+        &format!(
+            "CREATE ROLE plain LOGIN; GRANT CONNECT ON DATABASE {} TO plain; \
+             GRANT SELECT, UPDATE, DELETE ON outbox TO plain",
+            db.name
+        ),
+    )
+    .expect("a plain role");
+    let plain_url = db.url.replacen("postgres@", "plain@", 1);
+    let mut plain = reader_conn(&plain_url).await;
+    let reader = || WalReader::new(OutboxTable::DEFAULT, "german_slot", "german_pub");
+
+    let e = reader()
+        .setup(&mut plain)
+        .await
+        .expect_err("no publication right");
+    assert!(
+        matches!(e, WalError::PublicationRight { .. }),
+        "not the table's owner: {e:?}"
+    );
+    diesel::sql_query(
+        "CREATE PUBLICATION german_pub FOR TABLE outbox WITH (publish = 'insert, update')",
+    )
+    .execute(&mut admin)
+    .expect("the publication, made by the owner");
+    let e = reader()
+        .setup(&mut plain)
+        .await
+        .expect_err("no record right");
+    assert!(
+        matches!(e, WalError::RecordRight { .. }),
+        "no CREATE on the schema: {e:?}"
+    );
+    // the owner's reader makes the record and the slot; the plain role may write the record
+    let mut owner = reader_conn(&db.url).await;
+    reader()
+        .setup(&mut owner)
+        .await
+        .expect("the owner's set-up");
+    diesel::sql_query("GRANT SELECT, INSERT, UPDATE ON outbox_relay_slots TO plain")
+        .execute(&mut admin)
+        .expect("grant the record");
+    let e = WalReader::new(OutboxTable::DEFAULT, "german_other_slot", "german_pub")
+        .setup(&mut plain)
+        .await
+        .expect_err("no replication right");
+    assert!(
+        matches!(e, WalError::ReplicationRight { .. }),
+        "a role without REPLICATION makes a slot: {e:?}"
+    );
+
+    // the slot held by another session (as by a running reader) is busy, not a failure
+    let mut holder = support::Proc::spawn(
+        "pg_recvlogical",
+        Command::new("pg_recvlogical")
+            .args([
+                "-d",
+                &db.url,
+                "--slot",
+                "german_slot",
+                "--start",
+                "-f",
+                "/dev/null",
+            ])
+            .args([
+                "-o",
+                "proto_version=1",
+                "-o",
+                "publication_names=german_pub",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
+    );
+    wait_until(Duration::from_secs(10), "the slot to be active", || async {
+        db.scalar(
+            "SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'german_slot' AND active",
+        ) == 1
+    })
+    .await;
+    let e = pending_age_seconds(&mut owner, "german_slot", "german_pub")
+        .await
+        .expect_err("the slot is in use");
+    assert!(matches!(e, WalError::SlotBusy { .. }), "a busy slot: {e:?}");
+    holder.kill();
+    wait_until(Duration::from_secs(10), "the slot to be let go", || async {
+        db.scalar("SELECT count(*) FROM pg_replication_slots WHERE active") == 0
+    })
+    .await;
+
+    // wal_level below logical: the level, whatever the words (logical slots must go first)
+    drop((plain, owner));
+    diesel::sql_query("SELECT pg_drop_replication_slot('german_slot')")
+        .execute(&mut admin)
+        .expect("drop the slot");
+    drop(admin);
+    cluster.settings.push("wal_level=replica".into());
+    cluster.restart();
+    let mut owner = reader_conn(&db.url).await;
+    let e = WalReader::new(OutboxTable::DEFAULT, "german_third_slot", "german_pub")
+        .setup(&mut owner)
+        .await
+        .expect_err("wal_level replica");
+    assert!(matches!(e, WalError::WalLevel(_)), "wal_level: {e:?}");
+    drop(owner);
+}

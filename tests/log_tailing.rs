@@ -1060,3 +1060,52 @@ async fn a_retried_row_is_published_once_when_cleanup_runs_before_the_reader_see
     })
     .await;
 }
+
+/// The value of the unlabelled metric `name` on the relay's `/metrics` at `addr`.
+async fn metric(addr: &str, name: &str) -> Option<f64> {
+    let (_, body) = support::http_get(addr, "/metrics").await?;
+    body.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_slot_lag_in_seconds_is_the_age_of_the_oldest_unconfirmed_commit() {
+    let mut nats = support::servers::NatsServer::start();
+    let (db, stream) = (TestDb::new(), TestStream::on(&nats.url()));
+    let slot = Slot::new(&db);
+    let addr = format!("127.0.0.1:{}", support::free_port());
+    let _relay = relay(
+        "relay",
+        &db,
+        &stream,
+        &slot,
+        &["--metrics-addr", &addr, "--stats-interval", "200ms"],
+    );
+    wait_reader(&db, &slot).await;
+    // NATS gone: the commit is read and never acked, so the slot is not confirmed past it
+    nats.stop();
+    let committed = Instant::now();
+    db.conn()
+        .transaction(|c| c.record_event(&changed("L", 1)))
+        .expect("commit");
+    wait_until(
+        Duration::from_secs(30),
+        "a slot lag of a second",
+        || async {
+            metric(&addr, "outbox_slot_lag_seconds")
+                .await
+                .is_some_and(|s| s >= 1.0)
+        },
+    )
+    .await;
+    let lag = metric(&addr, "outbox_slot_lag_seconds")
+        .await
+        .unwrap_or_default();
+    let age = committed.elapsed().as_secs_f64();
+    assert!(
+        lag <= age + 1.0,
+        "the slot lags {lag} s behind a commit made {age} s ago"
+    );
+    nats.restart();
+    wait_count(&stream, 1, Duration::from_secs(30)).await;
+}

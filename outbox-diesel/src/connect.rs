@@ -51,7 +51,7 @@ impl ConnectError {
         self.fix
     }
 
-    fn from_postgres(e: &tokio_postgres::Error, at: &str) -> Self {
+    fn from_postgres(e: &tokio_postgres::Error, at: &str, plaintext: bool) -> Self {
         if let Some(db) = e.as_db_error() {
             let code = db.code();
             let heals = sqlstate_can_heal(code);
@@ -59,13 +59,11 @@ impl ConnectError {
                 c if *c == SqlState::INVALID_CATALOG_NAME => Some(
                     "the database does not exist: create it, or name an existing one in the URL",
                 ),
-                c if *c == SqlState::INVALID_AUTHORIZATION_SPECIFICATION
-                    && db.message().contains("no encryption") =>
-                {
-                    Some(
-                        "the server accepts TLS connections only: add sslmode=verify-full and sslrootcert=<the server's CA> to the URL",
-                    )
-                }
+                // decided on what was asked, not on the message, which the server words in
+                // its own language (lc_messages)
+                c if *c == SqlState::INVALID_AUTHORIZATION_SPECIFICATION && plaintext => Some(
+                    "the server refused this connection without TLS: if it accepts TLS connections only (managed PostgreSQL does), add sslmode=verify-full and sslrootcert=<the server's CA> to the URL; otherwise check the role and pg_hba.conf",
+                ),
                 c if *c == SqlState::INVALID_PASSWORD
                     || *c == SqlState::INVALID_AUTHORIZATION_SPECIFICATION =>
                 {
@@ -216,10 +214,11 @@ where
     <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
 {
     let at = server_at(config);
+    let plaintext = config.get_ssl_mode() == tokio_postgres::config::SslMode::Disable;
     let (client, connection) = config
         .connect(tls)
         .await
-        .map_err(|e| ConnectError::from_postgres(&e, &at))?;
+        .map_err(|e| ConnectError::from_postgres(&e, &at, plaintext))?;
     AsyncPgConnection::try_from_client_and_connection(client, connection)
         .await
         .map_err(|e| ConnectError {

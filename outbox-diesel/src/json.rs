@@ -42,7 +42,7 @@ impl RawJson {
     }
 
     /// Text PostgreSQL rendered from a `jsonb` value, which is JSON.
-    #[cfg(feature = "async")]
+    #[cfg(feature = "relay")]
     pub(crate) fn from_postgres(json: String) -> RawJson {
         RawJson(json)
     }

@@ -46,26 +46,26 @@
 //! ```
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-#[cfg(feature = "async")]
+#[cfg(feature = "connect")]
 mod connect;
 mod event;
 pub mod headers;
 pub mod inbox;
 mod json;
-#[cfg(feature = "async")]
+#[cfg(feature = "connect")]
 mod options;
 mod record;
 #[cfg(feature = "async")]
 mod record_async;
-#[cfg(feature = "async")]
+#[cfg(feature = "relay")]
 pub mod relay;
 pub mod schema;
 mod table;
-#[cfg(feature = "async")]
+#[cfg(feature = "relay")]
 pub mod wal;
 mod wire;
 
-#[cfg(feature = "async")]
+#[cfg(feature = "connect")]
 pub use connect::{ConnectError, connect, establish};
 pub use event::{
     MAX_SUBJECT_NAMES_LEN, OutboxEvent, TokenError, check_event_type, check_subject_token,
@@ -76,12 +76,14 @@ pub use headers::EventHeaders;
 pub use inbox::AsyncInboxExt;
 pub use inbox::{Inbox, InboxExt};
 pub use json::RawJson;
-#[cfg(feature = "async")]
+#[cfg(feature = "connect")]
 pub use options::{InvalidUrl, PgConnectOptions, SslMode, ensure_crypto_provider};
 pub use record::{DEFAULT_MAX_PAYLOAD, InvalidEvent, Notify, Outbox, OutboxExt};
 #[cfg(feature = "async")]
 pub use record_async::AsyncOutboxExt;
-pub use schema::{MIGRATIONS, create_table, create_table_sql, run_migrations};
+#[cfg(feature = "migrations")]
+pub use schema::{MIGRATIONS, run_migrations};
+pub use schema::{create_table, create_table_sql};
 pub use table::{InvalidTableName, OutboxTable};
 pub use wire::{jsonb_text, message_size};
 

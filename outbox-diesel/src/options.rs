@@ -264,6 +264,7 @@ impl PgConnectOptions {
     }
 
     /// The same settings for a replication connection (`pgwire-replication`).
+    #[cfg(feature = "relay")]
     pub(crate) fn replication_tls(&self) -> pgwire_replication::TlsConfig {
         use pgwire_replication::SslMode as M;
         let mode = match self.verification() {

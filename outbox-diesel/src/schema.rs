@@ -2,6 +2,7 @@
 
 use diesel::pg::PgConnection;
 use diesel::{Connection, RunQueryDsl};
+#[cfg(feature = "migrations")]
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 
 use crate::OutboxTable;
@@ -62,6 +63,7 @@ diesel::table! {
 /// conn.run_pending_migrations(outbox_diesel::MIGRATIONS)?;
 /// # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
 /// ```
+#[cfg(feature = "migrations")]
 pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
 
 const UP_SQL: &str = include_str!("../migrations/2026-12-01-000000_create_outbox/up.sql");
@@ -71,6 +73,7 @@ const READY_SQL: &str = include_str!("../migrations/2026-12-03-000000_outbox_rea
 /// `processed_messages`).
 ///
 /// Returns the versions it applied; none when the table is up to date.
+#[cfg(feature = "migrations")]
 pub fn run_migrations(
     conn: &mut PgConnection,
 ) -> Result<Vec<String>, Box<dyn std::error::Error + Send + Sync>> {

@@ -307,26 +307,57 @@ pub enum WalError {
     },
 }
 
-fn classify(e: DieselError, slot: &str) -> WalError {
-    let msg = match &e {
-        DieselError::DatabaseError(_, info) => info.message().to_owned(),
-        _ => return WalError::Query(e),
-    };
-    if msg.contains("is active for PID") {
-        WalError::SlotBusy {
-            slot: slot.to_owned(),
-            source: e,
-        }
-    } else if msg.contains("wal_level") {
-        WalError::WalLevel(e)
-    } else if msg.contains("replication role") || msg.contains("replication slots") {
-        WalError::ReplicationRight {
-            slot: slot.to_owned(),
-            source: e,
-        }
-    } else {
-        WalError::Query(e)
+#[derive(QueryableByName)]
+struct ServerState {
+    #[diesel(sql_type = Text)]
+    wal_level: String,
+    #[diesel(sql_type = Bool)]
+    may_replicate: bool,
+    #[diesel(sql_type = Nullable<Integer>)]
+    active_pid: Option<i32>,
+    #[diesel(sql_type = Integer)]
+    me: i32,
+}
+
+/// Sorts an error of a slot operation by the server's state, read right after it (the level
+/// of its WAL, the role's right to use slots, the session holding the slot), never by the
+/// message, which the server words in the language of its `lc_messages`.
+async fn classify(conn: &mut AsyncPgConnection, e: DieselError, slot: &str) -> WalError {
+    if !matches!(e, DieselError::DatabaseError(..)) {
+        return WalError::Query(e);
     }
+    let state: Result<ServerState, _> = diesel::sql_query(
+        "SELECT current_setting('wal_level') AS wal_level, \
+         COALESCE((SELECT rolreplication OR rolsuper FROM pg_roles WHERE rolname = current_user), \
+         false) AS may_replicate, \
+         (SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1) AS active_pid, \
+         pg_backend_pid() AS me",
+    )
+    .bind::<Text, _>(slot)
+    .get_result(conn)
+    .await;
+    match state {
+        Ok(s) if s.wal_level != "logical" => WalError::WalLevel(e),
+        Ok(s) if !s.may_replicate => WalError::ReplicationRight {
+            slot: slot.to_owned(),
+            source: e,
+        },
+        Ok(s) if s.active_pid.is_some_and(|pid| pid != s.me) => WalError::SlotBusy {
+            slot: slot.to_owned(),
+            source: e,
+        },
+        // a session in a failed transaction cannot say: the error stands as it is
+        _ => WalError::Query(e),
+    }
+}
+
+/// Whether `e` may be a slot held a moment longer by a sender that is exiting: busy, or a
+/// database error the state read after it could no longer tell from busy.
+fn maybe_busy(e: &WalError) -> bool {
+    matches!(
+        e,
+        WalError::SlotBusy { .. } | WalError::Query(DieselError::DatabaseError(..))
+    )
 }
 
 /// One committed transaction's outbox events.
@@ -688,16 +719,35 @@ impl WalReader {
         );
         match conn.batch_execute(&sql).await {
             Ok(()) => Ok(()),
-            Err(e) if is_permission_error(&e) => Err(WalError::RecordRight {
-                table: t,
-                sql,
-                source: e,
-            }),
-            // another relay created it meanwhile
-            Err(DieselError::DatabaseError(
-                diesel::result::DatabaseErrorKind::UniqueViolation,
-                _,
-            )) => Ok(()),
+            // decided on the server's state, not on the message (worded in the language of
+            // the server's lc_messages)
+            Err(e @ DieselError::DatabaseError(..)) => {
+                let now: Oid = diesel::sql_query(format!(
+                    "SELECT to_regclass({})::oid::bigint AS oid",
+                    quote_literal(&t)
+                ))
+                .get_result(conn)
+                .await?;
+                if now.oid.is_some() {
+                    // another relay created it meanwhile
+                    return Ok(());
+                }
+                let may: Flag = diesel::sql_query(
+                    "SELECT has_schema_privilege(COALESCE($1, current_schema()), 'CREATE') AS flag",
+                )
+                .bind::<Nullable<Text>, _>(self.table.schema())
+                .get_result(conn)
+                .await?;
+                if may.flag == Some(false) {
+                    Err(WalError::RecordRight {
+                        table: t,
+                        sql,
+                        source: e,
+                    })
+                } else {
+                    Err(e.into())
+                }
+            }
             Err(e) => Err(e.into()),
         }
     }
@@ -777,16 +827,19 @@ impl WalReader {
         while self.check_slot(conn).await? {
             // the sender of a reader that stopped during its first start may linger a moment
             end_stale_sender(conn, &self.slot).await?;
-            let dropped = diesel::sql_query("SELECT pg_drop_replication_slot($1)")
+            let dropped = match diesel::sql_query("SELECT pg_drop_replication_slot($1)")
                 .bind::<Text, _>(&self.slot)
                 .execute(conn)
                 .await
-                .map_err(|e| classify(e, &self.slot));
+            {
+                Ok(n) => Ok(n),
+                Err(e) => Err(classify(conn, e, &self.slot).await),
+            };
             match dropped {
                 Ok(_) => {
                     tracing::info!(slot = %self.slot, "unfinished replication slot dropped");
                 }
-                Err(WalError::SlotBusy { .. }) if tries < 50 => {
+                Err(e) if maybe_busy(&e) && tries < 50 => {
                     tries += 1;
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
@@ -881,22 +934,37 @@ impl WalReader {
                         tracing::info!(publication = %self.publication, table = %self.table, "publication created");
                         Ok(())
                     }
-                    // another relay created it meanwhile
-                    Err(DieselError::DatabaseError(
-                        diesel::result::DatabaseErrorKind::UniqueViolation,
-                        _,
-                    )) => Ok(()),
-                    Err(DieselError::DatabaseError(_, info))
-                        if info.message().contains("already exists") =>
-                    {
-                        Ok(())
-                    }
-                    Err(e @ DieselError::DatabaseError(..)) if is_permission_error(&e) => {
-                        Err(WalError::PublicationRight {
-                            publication: self.publication.clone(),
-                            table: self.table.to_string(),
-                            source: e,
-                        })
+                    // decided on the server's state, not on the message (worded in the
+                    // language of the server's lc_messages)
+                    Err(e @ DieselError::DatabaseError(..)) => {
+                        let now: Vec<PubRow> = diesel::sql_query(
+                            "SELECT true AS pubinsert, true AS pubupdate, true AS has_table \
+                             FROM pg_publication WHERE pubname = $1",
+                        )
+                        .bind::<Text, _>(&self.publication)
+                        .load(conn)
+                        .await?;
+                        if !now.is_empty() {
+                            // another relay created it meanwhile
+                            return Ok(());
+                        }
+                        let may: Flag = diesel::sql_query(
+                            "SELECT pg_has_role(current_user, c.relowner, 'USAGE') \
+                             AND has_database_privilege(current_database(), 'CREATE') AS flag \
+                             FROM pg_class c WHERE c.oid = to_regclass($1)",
+                        )
+                        .bind::<Text, _>(self.table.quoted())
+                        .get_result(conn)
+                        .await?;
+                        if may.flag == Some(false) {
+                            Err(WalError::PublicationRight {
+                                publication: self.publication.clone(),
+                                table: self.table.to_string(),
+                                source: e,
+                            })
+                        } else {
+                            Err(e.into())
+                        }
                     }
                     Err(e) => Err(e.into()),
                 }
@@ -953,12 +1021,12 @@ impl WalReader {
                 tracing::info!(slot = %self.slot, lsn = %at, "replication slot created");
                 Ok(Some(at))
             }
-            Err(DieselError::DatabaseError(diesel::result::DatabaseErrorKind::Unknown, info))
-                if info.message().contains("already exists") =>
-            {
+            // another reader created it meanwhile
+            Err(e) if self.check_slot(conn).await.unwrap_or(false) => {
+                tracing::debug!(slot = %self.slot, error = %e, "replication slot created meanwhile");
                 Ok(None)
             }
-            Err(e) => Err(classify(e, &self.slot)),
+            Err(e) => Err(classify(conn, e, &self.slot).await),
         }
     }
 
@@ -1006,7 +1074,7 @@ impl WalReader {
             diesel::sql_query("SELECT (pg_current_wal_flush_lsn() - '0/0'::pg_lsn)::bigint AS lsn")
                 .get_result(conn)
                 .await?;
-        let changes: Vec<Change> = diesel::sql_query(
+        let changes: Vec<Change> = match diesel::sql_query(
             "SELECT data FROM pg_logical_slot_peek_binary_changes($1::name, NULL, $2, \
              'proto_version', '1', 'publication_names', $3)",
         )
@@ -1015,7 +1083,10 @@ impl WalReader {
         .bind::<Text, _>(quote_ident(&self.publication))
         .load(conn)
         .await
-        .map_err(|e| classify(e, &self.slot))?;
+        {
+            Ok(changes) => changes,
+            Err(e) => return Err(classify(conn, e, &self.slot).await),
+        };
         let messages = changes.len();
         let mut transactions = Vec::new();
         let mut current: Option<(u32, Vec<Captured>)> = None;
@@ -1212,7 +1283,7 @@ impl WalReader {
     }
 
     async fn advance_sql(&self, conn: &mut AsyncPgConnection, to: Lsn) -> Result<Lsn, WalError> {
-        let p: Position = diesel::sql_query(
+        let p: Position = match diesel::sql_query(
             "SELECT (CASE WHEN s.confirmed_flush_lsn < $2::pg_lsn \
              THEN (SELECT end_lsn FROM pg_replication_slot_advance($1::name, $2::pg_lsn)) \
              ELSE s.confirmed_flush_lsn END - '0/0'::pg_lsn)::bigint AS lsn \
@@ -1222,7 +1293,10 @@ impl WalReader {
         .bind::<Text, _>(to.to_string())
         .get_result(conn)
         .await
-        .map_err(|e| classify(e, &self.slot))?;
+        {
+            Ok(p) => p,
+            Err(e) => return Err(classify(conn, e, &self.slot).await),
+        };
         Ok(Lsn(p.lsn.unwrap_or_default() as u64))
     }
 
@@ -1350,7 +1424,8 @@ impl WalReader {
                     ..
                 } => {
                     messages += 1;
-                    st.open = Some((xid, pgoutput::commit_time(commit_time_micros), Vec::new()));
+                    // the replication protocol counts from 2000-01-01, not 1970
+                    st.open = Some((xid, pgoutput::pg_time(commit_time_micros), Vec::new()));
                 }
                 Event::XLogData { data, .. } => {
                     messages += 1;
@@ -1499,7 +1574,7 @@ impl WalReader {
         // the sender lets go of the slot as it exits
         for _ in 0..100 {
             match self.advance_sql(conn, self.acked).await {
-                Err(WalError::SlotBusy { .. }) => {
+                Err(e) if maybe_busy(&e) => {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
                 other => {
@@ -1559,16 +1634,6 @@ fn parse_timestamptz(s: &str) -> Option<DateTime<Utc>> {
     DateTime::parse_from_str(s, "%Y-%m-%d %H:%M:%S%.f%#z")
         .ok()
         .map(|d| d.with_timezone(&Utc))
-}
-
-fn is_permission_error(e: &DieselError) -> bool {
-    match e {
-        DieselError::DatabaseError(_, info) => {
-            let m = info.message();
-            m.contains("must be owner") || m.contains("permission denied")
-        }
-        _ => false,
-    }
 }
 
 /// The SQLSTATE of an error the server sent on the replication connection, which
@@ -1663,7 +1728,7 @@ pub async fn pending_age_seconds(
     slot: &str,
     publication: &str,
 ) -> Result<f64, WalError> {
-    let changes: Vec<Change> = diesel::sql_query(
+    let changes: Vec<Change> = match diesel::sql_query(
         "SELECT data FROM pg_logical_slot_peek_binary_changes($1::name, NULL, 1, \
          'proto_version', '1', 'publication_names', $2)",
     )
@@ -1671,7 +1736,10 @@ pub async fn pending_age_seconds(
     .bind::<Text, _>(quote_ident(publication))
     .load(conn)
     .await
-    .map_err(|e| classify(e, slot))?;
+    {
+        Ok(changes) => changes,
+        Err(e) => return Err(classify(conn, e, slot).await),
+    };
     for change in &changes {
         if let Message::Begin {
             commit_time_micros, ..

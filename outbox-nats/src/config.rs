@@ -6,8 +6,10 @@ use outbox_diesel::OutboxTable;
 
 use crate::subject::SubjectTemplate;
 
-/// How the relay reads the outbox.
+/// How the relay reads the outbox (`--mode ordered|unordered|log-tailing` with the `cli`
+/// feature).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 #[non_exhaustive]
 pub enum Mode {
     /// Each of `partitions` partitions (by a stable hash of the aggregate id) is published by

@@ -19,14 +19,18 @@
 //! # Ok(()) }
 //! ```
 
+#[cfg(feature = "admin")]
 pub mod admin;
 pub mod backoff;
 pub mod cleanup;
+#[cfg(feature = "cli")]
+pub mod cli;
 mod config;
 mod connect;
 pub mod consumer;
 mod lease;
 pub mod metrics;
+pub mod operations;
 mod ordered;
 mod pipeline;
 pub mod publish;

@@ -603,8 +603,24 @@ async fn stats(
             };
         }
         let Some(c) = conn.as_mut() else { continue };
-        match db::backlog(c, &cfg.table).await {
-            Ok(b) => {
+        // one snapshot for the table and its partitions, the partitions' gauges set first: a
+        // scrape never sees a total its partitions do not add up to
+        let read = if partitioned {
+            db::backlogs(c, &cfg.table, cfg.partitions)
+                .await
+                .map(|(b, parts)| (b, Some(parts)))
+        } else {
+            db::backlog(c, &cfg.table).await.map(|b| (b, None))
+        };
+        match read {
+            Ok((b, parts)) => {
+                for p in parts.into_iter().flatten() {
+                    let label = p.partition.to_string();
+                    metrics::gauge!(m::PARTITION_BACKLOG_ROWS, "partition" => label.clone())
+                        .set(p.unpublished as f64);
+                    metrics::gauge!(m::PARTITION_OLDEST_AGE, "partition" => label)
+                        .set(p.oldest_age_seconds);
+                }
                 metrics::gauge!(m::BACKLOG_ROWS).set(b.unpublished as f64);
                 metrics::gauge!(m::OLDEST_AGE).set(b.oldest_age_seconds);
                 metrics::gauge!(m::PARKED_ROWS).set(b.parked as f64);
@@ -638,23 +654,6 @@ async fn stats(
                 debug!(error = %e, "backlog query failed");
                 conn = None;
                 continue;
-            }
-        }
-        if partitioned {
-            match db::partition_backlog(c, &cfg.table, cfg.partitions).await {
-                Ok(parts) => {
-                    for p in parts {
-                        let label = p.partition.to_string();
-                        metrics::gauge!(m::PARTITION_BACKLOG_ROWS, "partition" => label.clone())
-                            .set(p.unpublished as f64);
-                        metrics::gauge!(m::PARTITION_OLDEST_AGE, "partition" => label)
-                            .set(p.oldest_age_seconds);
-                    }
-                }
-                Err(e) => {
-                    debug!(error = %e, "partition backlog query failed");
-                    conn = None;
-                }
             }
         }
     }

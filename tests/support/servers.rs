@@ -135,6 +135,8 @@ pub struct PgCluster {
     pub dir: PathBuf,
     running: bool,
     tls: bool,
+    /// Settings passed as `-c name=value` at every start, after the defaults.
+    pub settings: Vec<String>,
 }
 
 /// Certificates made for a test: a CA, a server certificate naming `localhost` only (not
@@ -232,6 +234,25 @@ impl PgCluster {
         c
     }
 
+    /// A cluster whose messages are German (`lc_messages = de_DE.UTF-8`): what the server
+    /// says in words changes, its SQLSTATEs and its state do not. The locale must exist on the
+    /// machine (`localedef -i de_DE -f UTF-8 de_DE.UTF-8`; scripts/test.sh makes it).
+    pub fn start_german() -> Self {
+        let locales = Command::new("locale")
+            .arg("-a")
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).to_lowercase())
+            .unwrap_or_default();
+        assert!(
+            locales.contains("de_de.utf8"),
+            "the de_DE.UTF-8 locale is missing: run `localedef -i de_DE -f UTF-8 de_DE.UTF-8` (scripts/test.sh does)"
+        );
+        let mut c = Self::init();
+        c.settings.push("lc_messages=de_DE.UTF-8".into());
+        c.restart();
+        c
+    }
+
     /// A cluster that accepts TLS connections only (`ssl = on` with `certs`' server
     /// certificate; `pg_hba.conf`: `hostssl` lines alone, trust for every role but
     /// `tlsclient`, which authenticates with its client certificate).
@@ -286,6 +307,7 @@ impl PgCluster {
             dir,
             running: false,
             tls: false,
+            settings: Vec::new(),
         };
         standby.restart();
         let ok = as_postgres("psql")
@@ -342,6 +364,7 @@ impl PgCluster {
             dir,
             running: false,
             tls: false,
+            settings: Vec::new(),
         }
     }
 
@@ -356,6 +379,9 @@ impl PgCluster {
             self.port,
             self.dir.display()
         );
+        for setting in &self.settings {
+            opts.push_str(&format!(" -c {setting}"));
+        }
         if self.tls {
             opts.push_str(
                 " -c ssl=on -c ssl_cert_file=server.crt -c ssl_key_file=server.key -c ssl_ca_file=ca.crt",

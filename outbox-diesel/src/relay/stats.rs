@@ -97,6 +97,30 @@ pub async fn partition_backlog(
     .await
 }
 
+/// The backlog of `table` and of each of its `count` partitions, read from one snapshot, so
+/// that the partitions' figures add up to the table's (see [`backlog`] and
+/// [`partition_backlog`]).
+pub async fn backlogs(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    count: u32,
+) -> QueryResult<(Backlog, Vec<PartitionBacklog>)> {
+    diesel::sql_query("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        .execute(conn)
+        .await?;
+    let read: QueryResult<(Backlog, Vec<PartitionBacklog>)> = async {
+        let total = backlog(conn, table).await?;
+        let parts = partition_backlog(conn, table, count).await?;
+        Ok((total, parts))
+    }
+    .await;
+    let end = if read.is_ok() { "COMMIT" } else { "ROLLBACK" };
+    let ended = diesel::sql_query(end).execute(conn).await;
+    let read = read?;
+    ended?;
+    Ok(read)
+}
+
 /// What vacuum knows of the outbox table (`pg_stat_user_tables`): dead rows slow the poll
 /// until vacuum removes them, and it can only remove those older than the oldest snapshot
 /// still open (see [`oldest_transaction`]).

@@ -122,6 +122,13 @@ pub fn commit_time(micros: i64) -> chrono::DateTime<chrono::Utc> {
     chrono::DateTime::from_timestamp_micros(micros).unwrap_or_default()
 }
 
+/// Converts a time in microseconds since PostgreSQL's epoch (2000-01-01 00:00:00 UTC), as the
+/// replication protocol sends them outside the pgoutput messages (the commit time of a
+/// streamed `Begin`), to a timestamp.
+pub fn pg_time(micros: i64) -> chrono::DateTime<chrono::Utc> {
+    commit_time(micros.saturating_add(PG_EPOCH_OFFSET_MICROS))
+}
+
 struct Cursor<'a> {
     tag: u8,
     bytes: &'a [u8],
@@ -287,6 +294,15 @@ pub fn decode(bytes: &[u8]) -> Result<Message, DecodeError> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn streamed_times_count_from_postgres_epoch() {
+        assert_eq!(pg_time(0).to_rfc3339(), "2000-01-01T00:00:00+00:00");
+        assert_eq!(
+            pg_time(1_000_000).to_rfc3339(),
+            commit_time(PG_EPOCH_OFFSET_MICROS + 1_000_000).to_rfc3339()
+        );
+    }
+
     use super::*;
 
     fn tuple(values: &[Option<&str>]) -> Vec<u8> {

@@ -5,7 +5,6 @@
 //! `outbox-relay cleanup` deletes published rows once.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -13,6 +12,8 @@ use clap::{Args, Parser, Subcommand};
 use diesel_async::AsyncPgConnection;
 use outbox_diesel::OutboxTable;
 use outbox_diesel::relay as db;
+use outbox_nats::cli::{DbArgs, NatsArgs};
+use outbox_nats::operations;
 use outbox_nats::subject::SubjectTemplate;
 use outbox_nats::{Mode, NatsOptions, Relay, RelayConfig, redact_url};
 use tokio_util::sync::CancellationToken;
@@ -119,27 +120,11 @@ struct RetryArgs {
 }
 
 #[derive(Debug, Args)]
-struct DbArgs {
-    /// PostgreSQL URL of the database holding the outbox.
-    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
-    database_url: String,
-    /// The outbox table, `table` or `schema.table`.
-    #[arg(long, env = "OUTBOX_TABLE", default_value = "outbox")]
-    table: OutboxTable,
-}
-
-#[derive(Debug, Args)]
 struct RunArgs {
     #[command(flatten)]
     db: DbArgs,
-    /// NATS server URL(s), comma-separated.
-    #[arg(
-        long,
-        env = "NATS_URL",
-        default_value = "nats://127.0.0.1:4222",
-        hide_env_values = true
-    )]
-    nats_url: String,
+    #[command(flatten)]
+    nats: NatsArgs,
     /// JetStream stream; created (subjects `{prefix}.>`) when missing.
     #[arg(long, env = "OUTBOX_STREAM", default_value = "OUTBOX")]
     stream: String,
@@ -154,8 +139,8 @@ struct RunArgs {
     )]
     subject_template: SubjectTemplate,
     /// How rows are read.
-    #[arg(long, env = "OUTBOX_MODE", value_enum, default_value_t = CliMode::Ordered)]
-    mode: CliMode,
+    #[arg(long, env = "OUTBOX_MODE", value_enum, default_value_t = Mode::Ordered)]
+    mode: Mode,
     /// Partitions of the table (ordered mode), each published by one relay at a time.
     /// Every relay of a table must run with the same count.
     #[arg(long, env = "OUTBOX_PARTITIONS", default_value_t = 1)]
@@ -205,33 +190,6 @@ struct RunArgs {
     /// Serve /metrics, /healthz and /readyz on this address (e.g. 127.0.0.1:9187).
     #[arg(long, env = "OUTBOX_METRICS_ADDR")]
     metrics_addr: Option<SocketAddr>,
-    /// NATS credentials file (.creds).
-    #[arg(long, env = "NATS_CREDS")]
-    nats_creds: Option<PathBuf>,
-    /// NATS nkey seed.
-    #[arg(long, env = "NATS_NKEY", hide_env_values = true)]
-    nats_nkey: Option<String>,
-    /// NATS user (with --nats-password).
-    #[arg(long, env = "NATS_USER")]
-    nats_user: Option<String>,
-    /// NATS password.
-    #[arg(long, env = "NATS_PASSWORD", hide_env_values = true)]
-    nats_password: Option<String>,
-    /// NATS token.
-    #[arg(long, env = "NATS_TOKEN", hide_env_values = true)]
-    nats_token: Option<String>,
-    /// Require TLS to NATS.
-    #[arg(long, env = "NATS_TLS_REQUIRED")]
-    nats_tls_required: bool,
-    /// CA certificate (PEM) for NATS TLS.
-    #[arg(long, env = "NATS_TLS_CA")]
-    nats_tls_ca: Option<PathBuf>,
-    /// Client certificate (PEM) for NATS TLS.
-    #[arg(long, env = "NATS_TLS_CERT", requires = "nats_tls_key")]
-    nats_tls_cert: Option<PathBuf>,
-    /// Client key (PEM) for NATS TLS.
-    #[arg(long, env = "NATS_TLS_KEY", requires = "nats_tls_cert")]
-    nats_tls_key: Option<PathBuf>,
     /// Log format.
     #[arg(long, env = "OUTBOX_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
@@ -267,17 +225,6 @@ struct LogTailingArgs {
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
-enum CliMode {
-    /// Per-partition owners publish in `seq` order: order per aggregate holds.
-    Ordered,
-    /// Competing workers (FOR UPDATE SKIP LOCKED): no order per aggregate.
-    Unordered,
-    /// One reader per replication slot reads the WAL (pgoutput) in commit order; other
-    /// relays stand by.
-    LogTailing,
-}
-
-#[derive(Debug, Clone, Copy, clap::ValueEnum)]
 enum LogFormat {
     Text,
     Json,
@@ -296,8 +243,8 @@ struct StatusArgs {
     stall_after: Duration,
     /// The relay's mode: in log-tailing mode rows are never marked published, so only the
     /// slot's lag counts.
-    #[arg(long, env = "OUTBOX_MODE", value_enum, default_value_t = CliMode::Ordered)]
-    mode: CliMode,
+    #[arg(long, env = "OUTBOX_MODE", value_enum, default_value_t = Mode::Ordered)]
+    mode: Mode,
     /// Replication slot to report on (default `{table}_slot`; shown when it exists).
     #[arg(long, env = "OUTBOX_SLOT")]
     slot: Option<String>,
@@ -366,11 +313,7 @@ async fn run(args: RunArgs) -> ExitCode {
         .stream_replicas(args.stream_replicas)
         .listen(!args.no_listen)
         .startup_timeout(args.startup_timeout);
-    config.mode = match args.mode {
-        CliMode::Ordered => Mode::Ordered,
-        CliMode::Unordered => Mode::Unordered,
-        CliMode::LogTailing => Mode::LogTailing,
-    };
+    config.mode = args.mode;
     config.slot = args.log_tailing.slot.clone();
     config.publication = args.log_tailing.publication.clone();
     config.recover_slot = args.log_tailing.recover_slot;
@@ -394,19 +337,10 @@ async fn run(args: RunArgs) -> ExitCode {
         error!("invalid configuration: {e}");
         return ExitCode::from(2);
     }
-    let mut nats = NatsOptions::new(args.nats_url.clone());
-    nats.credentials_file = args.nats_creds.clone();
-    nats.nkey_seed = args.nats_nkey.clone();
-    nats.user = args.nats_user.clone();
-    nats.password = args.nats_password.clone();
-    nats.token = args.nats_token.clone();
-    nats.tls_required = args.nats_tls_required;
-    nats.tls_ca = args.nats_tls_ca.clone();
-    nats.tls_cert = args.nats_tls_cert.clone();
-    nats.tls_key = args.nats_tls_key.clone();
+    let nats = args.nats.options();
     info!(
         database = %redact_url(&args.db.database_url),
-        nats = %redact_url(&args.nats_url),
+        nats = %redact_url(&args.nats.nats_url),
         "connecting"
     );
     let client = match connect_nats(&nats, args.startup_timeout).await {
@@ -512,82 +446,6 @@ fn spawn_signal_handler(shutdown: CancellationToken) {
     });
 }
 
-#[derive(serde::Serialize)]
-struct Status {
-    table: String,
-    backlog: db::Backlog,
-    stalled: bool,
-    stall_after_seconds: f64,
-    owners: Vec<db::PartitionOwner>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    slot: Option<SlotStatus>,
-    /// The partition count of the breakdown: `--partitions`, or the running relays'.
-    partition_count: Option<u32>,
-    partitions: Vec<PartitionStatus>,
-    relays: Vec<db::Member>,
-    table_stats: Option<db::TableStats>,
-    oldest_transaction: Option<db::OldestTransaction>,
-}
-
-/// One partition's backlog and owner in `status`.
-#[derive(serde::Serialize)]
-struct PartitionStatus {
-    #[serde(flatten)]
-    backlog: db::PartitionBacklog,
-    owner_pid: Option<i32>,
-    owner_application_name: Option<String>,
-}
-
-/// The partition count in force: the oldest running relay's (a relay with another count
-/// waits until the older ones are gone).
-fn partition_count(relays: &[db::Member]) -> Option<u32> {
-    relays.first().map(|m| m.partitions.max(1) as u32)
-}
-
-/// A replication slot's figures in `status`.
-#[derive(serde::Serialize)]
-struct SlotStatus {
-    #[serde(flatten)]
-    lag: outbox_diesel::wal::SlotLag,
-    /// Seconds since the oldest unconfirmed transaction committed; `None` when it could not
-    /// be read (a reader streams the slot, or the role lacks REPLICATION).
-    lag_seconds: Option<f64>,
-    /// Past --slot-lag-warn-bytes or --stall-after.
-    lagging: bool,
-}
-
-/// The slot's lag, when the slot exists. Reading its age decodes up to one transaction and
-/// needs the slot for an instant, so it is unknown while a reader streams the slot.
-async fn slot_status(conn: &mut AsyncPgConnection, args: &StatusArgs) -> Option<SlotStatus> {
-    use outbox_diesel::wal;
-    let slot = args
-        .slot
-        .clone()
-        .unwrap_or_else(|| wal::default_slot(&args.db.table));
-    let publication = args
-        .publication
-        .clone()
-        .unwrap_or_else(|| wal::default_publication(&args.db.table));
-    let lag = wal::slot_lag(conn, &slot).await.ok().flatten()?;
-    let mut lag_seconds = None;
-    for _ in 0..5 {
-        match wal::pending_age_seconds(conn, &slot, &publication).await {
-            Ok(s) => {
-                lag_seconds = Some(s);
-                break;
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(30)).await,
-        }
-    }
-    let lagging = lag.lag_bytes as u64 > args.slot_lag_warn_bytes
-        || lag_seconds.is_some_and(|s| s > args.stall_after.as_secs_f64());
-    Some(SlotStatus {
-        lag,
-        lag_seconds,
-        lagging,
-    })
-}
-
 fn fail(command: &str, msg: String) -> ExitCode {
     eprintln!("outbox-relay {command}: {msg}");
     ExitCode::from(2)
@@ -627,7 +485,7 @@ async fn parked(args: ParkedArgs) -> ExitCode {
         Ok(c) => c,
         Err(code) => return code,
     };
-    let rows = match db::parked(&mut conn, &args.db.table).await {
+    let rows = match operations::parked(&mut conn, &args.db.table).await {
         Ok(r) => r,
         Err(e) => return fail("parked", format!("cannot read {}: {e}", args.db.table)),
     };
@@ -665,205 +523,48 @@ async fn retry(args: RetryArgs) -> ExitCode {
         Ok(c) => c,
         Err(code) => return code,
     };
-    let seq = if args.which.all { None } else { args.which.seq };
-    match db::retry_parked(&mut conn, &args.db.table, seq).await {
-        Ok(0) if seq.is_some() => fail(
-            "retry",
-            format!("no parked row with seq {}", seq.unwrap_or_default()),
-        ),
+    let which = match args.which.seq {
+        Some(seq) if !args.which.all => operations::Retry::Seq(seq),
+        _ => operations::Retry::All,
+    };
+    match operations::retry(&mut conn, &args.db.table, which).await {
         Ok(n) => {
             println!("released {n} parked row(s); the relay publishes them on its next poll");
             ExitCode::SUCCESS
         }
+        Err(e @ operations::RetryError::NotParked(_)) => fail("retry", e.to_string()),
         Err(e) => fail("retry", format!("cannot update {}: {e}", args.db.table)),
     }
 }
 
 async fn status(args: StatusArgs) -> ExitCode {
-    let fail = |msg: String| fail("status", msg);
     let mut conn = match open("status", &args.db).await {
         Ok(c) => c,
         Err(code) => return code,
     };
-    let table = &args.db.table;
-    let backlog = match db::backlog(&mut conn, table).await {
-        Ok(b) => b,
-        Err(e) => return fail(format!("cannot read {table}: {e}")),
-    };
-    let owners = db::partition_owners(&mut conn, table)
-        .await
-        .unwrap_or_default();
-    let relays = db::members(&mut conn, table).await.unwrap_or_default();
-    let partition_count = args.partitions.or_else(|| partition_count(&relays));
-    let mut partitions = Vec::new();
-    if let Some(n) = partition_count {
-        let parts = match db::partition_backlog(&mut conn, table, n).await {
-            Ok(p) => p,
-            Err(e) => return fail(format!("cannot read {table}: {e}")),
-        };
-        partitions = parts
-            .into_iter()
-            .map(|backlog| {
-                let owner = owners.iter().find(|o| o.partition == backlog.partition);
-                PartitionStatus {
-                    owner_pid: owner.map(|o| o.pid),
-                    owner_application_name: owner.and_then(|o| o.application_name.clone()),
-                    backlog,
-                }
-            })
-            .collect();
-    }
-    let table_stats = db::table_stats(&mut conn, table).await.ok().flatten();
-    let oldest_transaction = db::oldest_transaction(&mut conn).await.ok().flatten();
-    let slot = slot_status(&mut conn, &args).await;
-    let slot_stalled = slot
-        .as_ref()
-        .and_then(|s| s.lag_seconds)
-        .is_some_and(|s| s > args.stall_after.as_secs_f64());
-    let stalled = match args.mode {
-        CliMode::LogTailing => slot_stalled,
-        _ => backlog.oldest_age_seconds > args.stall_after.as_secs_f64() || slot_stalled,
-    };
-    let status = Status {
-        table: table.to_string(),
-        backlog,
-        stalled,
-        stall_after_seconds: args.stall_after.as_secs_f64(),
-        owners,
-        slot,
-        partition_count,
-        partitions,
-        relays,
-        table_stats,
-        oldest_transaction,
+    let mut options = operations::StatusOptions::new(args.db.table.clone())
+        .mode(args.mode)
+        .stall_after(args.stall_after)
+        .slot_lag_warn_bytes(args.slot_lag_warn_bytes);
+    options.slot = args.slot;
+    options.publication = args.publication;
+    options.partitions = args.partitions;
+    let status = match operations::status(&mut conn, &options).await {
+        Ok(s) => s,
+        Err(e) => return fail("status", format!("cannot read {}: {e}", args.db.table)),
     };
     if args.json {
         match serde_json::to_string_pretty(&status) {
             Ok(s) => println!("{s}"),
-            Err(e) => return fail(format!("{e}")),
+            Err(e) => return fail("status", format!("{e}")),
         }
     } else {
-        println!("table            {}", status.table);
-        println!("unpublished      {}", status.backlog.unpublished);
-        println!("oldest age       {:.3}s", status.backlog.oldest_age_seconds);
-        println!("parked           {}", status.backlog.parked);
-        println!(
-            "in doubt         {} (oldest {:.3}s)",
-            status.backlog.in_doubt, status.backlog.oldest_in_doubt_age_seconds
-        );
-        println!(
-            "stalled          {} (after {:?})",
-            status.stalled, args.stall_after
-        );
-        if status.owners.is_empty() {
-            println!("owners           none: no relay holds a partition");
-        }
-        for o in &status.owners {
-            println!(
-                "partition {:<5}  pid {} {} {}",
-                o.partition,
-                o.pid,
-                o.application_name.as_deref().unwrap_or("-"),
-                o.client_addr.as_deref().unwrap_or("local")
-            );
-        }
-        print_operations(&status);
-        if let Some(s) = &status.slot {
-            let l = &s.lag;
-            println!("slot             {}", l.slot);
-            println!(
-                "slot confirmed   {}",
-                l.confirmed_flush_lsn.as_deref().unwrap_or("-")
-            );
-            println!("slot lag         {} bytes", l.lag_bytes);
-            match s.lag_seconds {
-                Some(secs) => println!("slot lag age     {secs:.3}s"),
-                None => println!(
-                    "slot lag age     unknown (a reader streams the slot: see its outbox_slot_lag_seconds; or no REPLICATION right)"
-                ),
-            }
-            println!("slot retains     {} bytes of WAL", l.retained_bytes);
-            println!(
-                "slot wal status  {} (safe for {} more bytes)",
-                l.wal_status.as_deref().unwrap_or("-"),
-                l.safe_wal_size
-                    .map_or_else(|| "unlimited".to_owned(), |b| b.to_string())
-            );
-            match l.reader_pid {
-                Some(pid) => println!("slot reader      pid {pid}"),
-                None => println!("slot reader      none: no relay reads the slot"),
-            }
-            if s.lagging {
-                println!(
-                    "WARNING          the slot lags: PostgreSQL keeps its WAL until a relay confirms it; see max_slot_wal_keep_size"
-                );
-            }
-        }
+        print!("{status}");
     }
-    if stalled {
+    if status.stalled {
         ExitCode::from(1)
     } else {
         ExitCode::SUCCESS
-    }
-}
-
-/// The text form of `status`'s relays, partitions, vacuum and snapshot figures.
-fn print_operations(status: &Status) {
-    println!("relays           {}", status.relays.len());
-    for r in &status.relays {
-        println!(
-            "  relay          pid {}  partitions {}  joined #{}  since {}",
-            r.pid,
-            r.partitions,
-            r.joined,
-            r.backend_start
-                .map_or_else(|| "(not visible to this role)".into(), |t| t.to_rfc3339())
-        );
-    }
-    if let Some(n) = status.partition_count {
-        println!("partitions       {n}");
-        for p in &status.partitions {
-            println!(
-                "  partition {:<4} unpublished {:<8} oldest {:>9.3}s  parked {:<4} owner {}",
-                p.backlog.partition,
-                p.backlog.unpublished,
-                p.backlog.oldest_age_seconds,
-                p.backlog.parked,
-                p.owner_pid
-                    .map_or_else(|| "none".to_owned(), |pid| format!("pid {pid}"))
-            );
-        }
-    }
-    match &status.table_stats {
-        Some(t) => {
-            println!(
-                "table rows       {} live, {} dead (not vacuumed yet), {} bytes",
-                t.live_rows, t.dead_rows, t.total_bytes
-            );
-            println!(
-                "last autovacuum  {} ({} so far)",
-                t.last_autovacuum
-                    .map_or_else(|| "never".to_owned(), |t| t.to_rfc3339()),
-                t.autovacuum_count
-            );
-        }
-        None => println!("table rows       no statistics yet"),
-    }
-    match &status.oldest_transaction {
-        Some(x) => println!(
-            "oldest snapshot  {:.3}s, {} transactions behind: pid {} {} ({}){}",
-            x.age_seconds,
-            x.xmin_age,
-            x.pid,
-            x.application_name.as_deref().unwrap_or("-"),
-            x.state.as_deref().unwrap_or("-"),
-            if x.state.as_deref() == Some("idle in transaction") {
-                "; it keeps every dead row alive: end it"
-            } else {
-                ""
-            }
-        ),
-        None => println!("oldest snapshot  none open"),
     }
 }
 
