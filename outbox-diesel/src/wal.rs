@@ -1350,7 +1350,9 @@ impl WalReader {
                     ..
                 } => {
                     messages += 1;
-                    st.open = Some((xid, pgoutput::commit_time(commit_time_micros), Vec::new()));
+                    // the protocol's own Begin: PostgreSQL's epoch, not decoded by `pgoutput`
+                    let at = pgoutput::pg_commit_time(commit_time_micros);
+                    st.open = Some((xid, at, Vec::new()));
                 }
                 Event::XLogData { data, .. } => {
                     messages += 1;

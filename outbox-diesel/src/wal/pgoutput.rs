@@ -122,6 +122,17 @@ pub fn commit_time(micros: i64) -> chrono::DateTime<chrono::Utc> {
     chrono::DateTime::from_timestamp_micros(micros).unwrap_or_default()
 }
 
+/// Converts a commit time in microseconds since PostgreSQL's epoch (2000-01-01), as the
+/// replication protocol carries it undecoded, to a timestamp.
+///
+/// ```
+/// use outbox_diesel::wal::pgoutput::pg_commit_time;
+/// assert_eq!(pg_commit_time(1_000_000).to_rfc3339(), "2000-01-01T00:00:01+00:00");
+/// ```
+pub fn pg_commit_time(micros: i64) -> chrono::DateTime<chrono::Utc> {
+    commit_time(micros.saturating_add(PG_EPOCH_OFFSET_MICROS))
+}
+
 struct Cursor<'a> {
     tag: u8,
     bytes: &'a [u8],
