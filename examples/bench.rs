@@ -21,7 +21,7 @@
 //!    of the outbox row, and with `record_event` (sync and async), 8 writers;
 //! 4. the poll query's time with published rows kept and with an unpublished backlog;
 //! 5. the relay's peak memory while draining a backlog (the `outbox-relay` binary), ordered and
-//!    log tailing.
+//!    log tailing, and log tailing relaying one transaction of the backlog's size.
 //!
 //! Machines are noisy: compare the ratios, not the absolute figures, across runs.
 
@@ -977,24 +977,26 @@ impl Bench {
         println!("\n## 5. relay memory: peak RSS of `outbox-relay` draining {n} rows\n");
         println!("| relay | backlog | drained in | events/s | peak RSS |");
         println!("|---|---|---|---|---|");
-        self.memory_run(n, false).await?;
+        self.memory_run(n, None).await?;
         if self.wal_level()? == "logical" {
-            self.memory_run(n, true).await?;
+            self.memory_run(n, Some(100)).await?;
+            self.memory_run(n, Some(n)).await?;
         } else {
             println!("| log-tailing | skipped: `wal_level` is not `logical` | | | |");
         }
         Ok(())
     }
 
-    /// One drain of `n` rows by an `ordered` relay, or a log-tailing one (the backlog then
-    /// in transactions of 100 events), sampling its peak RSS.
-    async fn memory_run(&mut self, n: usize, tailing: bool) -> Result<()> {
+    /// One drain of `n` rows by an `ordered` relay, or a log-tailing one with the backlog in
+    /// transactions of `per_tx` events (`Some(n)`: one transaction), sampling its peak RSS.
+    async fn memory_run(&mut self, n: usize, per_tx: Option<usize>) -> Result<()> {
         self.reset_outbox()?;
+        let tailing = per_tx.is_some();
         let slot = format!("{}_slot", self.db_name);
         let mut args = Vec::new();
-        if tailing {
+        if let Some(per_tx) = per_tx {
             self.create_slot(&slot)?;
-            self.fill_rows(n, 100, false)?;
+            self.fill_rows(n, per_tx, false)?;
             args.extend(["--mode", "log-tailing", "--slot", &slot].map(String::from));
         } else {
             self.fill(n, false)?;
@@ -1025,9 +1027,13 @@ impl Bench {
         if tailing {
             self.drop_slot(&slot)?;
         }
+        let relay = match per_tx {
+            None => "ordered".to_owned(),
+            Some(m) if m >= n => "log-tailing, one transaction".to_owned(),
+            Some(m) => format!("log-tailing, transactions of {m}"),
+        };
         println!(
-            "| {} | {n} | {elapsed:.1} s | {:.0} | {:.1} MiB |",
-            if tailing { "log-tailing" } else { "ordered" },
+            "| {relay} | {n} | {elapsed:.1} s | {:.0} | {:.1} MiB |",
             n as f64 / elapsed,
             peak_kb as f64 / 1024.0
         );

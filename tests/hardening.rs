@@ -1020,16 +1020,6 @@ async fn retry_releases_the_rows_held_back_behind_a_parked_one_in_order() {
 // ---------------------------------------------------------------------------------------------
 // 11. byte-bounded batches: a batch of 500 rows of large payloads is hundreds of MiB
 
-/// The relay's peak resident memory (`VmHWM`) in bytes.
-fn peak_rss(pid: i32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map_or(0, |kb| kb * 1024)
-}
-
 /// 40 rows of 900 KB payloads (36 MB) drained by a relay with a 1 MiB budget: it peaks far
 /// below what one 40-row batch takes (about 92 MiB without a budget), in both polling modes.
 async fn large_payloads_stay_within_the_budget(mode: &str) -> u64 {
@@ -1047,11 +1037,10 @@ async fn large_payloads_stay_within_the_budget(mode: &str) -> u64 {
     // an environment variable, so that a relay without the flag runs too (and shows the peak)
     cmd.env("OUTBOX_MAX_BATCH_BYTES", (1u64 << 20).to_string());
     let relay = Relay::start(cmd);
-    let pid = relay.proc.pid();
     let mut peak = 0;
     let start = std::time::Instant::now();
     while unpublished(&db) > 0 {
-        peak = peak.max(peak_rss(pid));
+        peak = peak.max(relay.proc.peak_rss());
         assert!(
             start.elapsed() < Duration::from_secs(120),
             "not drained; log:\n{}",
@@ -1059,7 +1048,7 @@ async fn large_payloads_stay_within_the_budget(mode: &str) -> u64 {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    peak = peak.max(peak_rss(pid));
+    peak = peak.max(relay.proc.peak_rss());
     assert_eq!(stream.count().await, 40);
     assert_eq!(parked(&db), 0, "log:\n{}", relay.logs());
     peak

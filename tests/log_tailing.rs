@@ -199,7 +199,7 @@ async fn toast_sized_payloads_arrive_whole() {
 async fn many_events_in_one_transaction_arrive_whole_and_in_order() {
     let (db, stream) = (TestDb::new(), TestStream::new());
     let slot = Slot::new(&db);
-    // a transaction larger than the batch size is read whole
+    // a transaction larger than the batch size is handed to the publisher in parts
     let _relay = relay("relay", &db, &stream, &slot, &["--batch-size", "200"]);
     wait_reader(&db, &slot).await;
 
@@ -219,6 +219,103 @@ async fn many_events_in_one_transaction_arrive_whole_and_in_order() {
             .push(id.to_string());
     }
     assert_exactly_once_in_order(&stream.read_all().await, &expected);
+}
+
+/// One transaction of `n` events of one aggregate, each with a 10 kB payload, relayed with
+/// `--lease 3s` and a 1 MiB `--max-batch-bytes`: published one ack round trip at a time, it
+/// takes longer than the lease. The reader used to read it whole (its memory grew with the
+/// transaction) without a word to its session meanwhile, so PostgreSQL ended the session, the
+/// reader read the same transaction again, and the slot never passed it. Returns the relay's
+/// peak RSS and how long the transaction took, from commit to the slot confirmed past it.
+async fn one_large_transaction(n: u32, check_order: bool) -> (u64, Duration) {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let slot = Slot::new(&db);
+    let tail = relay(
+        "relay",
+        &db,
+        &stream,
+        &slot,
+        &["--lease", "3s", "--max-batch-bytes", "1048576"],
+    );
+    let reader = wait_reader(&db, &slot).await;
+
+    diesel::sql_query(format!(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), 'account', 'L', 'account.changed', \
+         jsonb_build_object('n', i, 'blob', repeat(md5(i::text), 320)) \
+         FROM generate_series(1, {n}) AS i"
+    ))
+    .execute(&mut db.conn())
+    .expect("one transaction");
+    let committed = Instant::now();
+    let timeout = Duration::from_secs(60 + u64::from(n) / 100);
+    let target = db.scalar("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint");
+    wait_until(
+        timeout,
+        "the slot confirmed past the transaction",
+        || async {
+            // the lease holds: the session that read the slot at the start still does
+            assert_eq!(
+                slot.reader(&db),
+                Some(reader),
+                "the reader's session was ended and the slot changed hands"
+            );
+            slot.confirmed(&db) >= target
+        },
+    )
+    .await;
+    let took = committed.elapsed();
+    let peak = tail.peak_rss();
+    assert_eq!(stream.count().await, u64::from(n), "exactly {n} messages");
+    if check_order {
+        let order: Vec<i64> = stream
+            .read_all()
+            .await
+            .iter()
+            .map(|m| m.payload["n"].as_i64().unwrap_or(-1))
+            .collect();
+        assert!(
+            order.iter().copied().eq(1..=i64::from(n)),
+            "the events in commit order"
+        );
+    }
+    println!(
+        "{n} events of 10 kB in one transaction: slot confirmed past it after {:.1} s, relay peak RSS {:.1} MiB",
+        took.as_secs_f64(),
+        peak as f64 / 1048576.0
+    );
+    (peak, took)
+}
+
+/// What the relay may hold with a 1 MiB budget: the part being published and the next (2
+/// MiB), the replication client's buffer of `--batch-size` received changes (500 × 10 kB),
+/// and the process itself (about 20 MiB in a debug build).
+const LARGE_TRANSACTION_RSS_BOUND: u64 = 40 << 20;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_longer_than_the_lease_passes_in_bounded_memory() {
+    let (peak, took) = one_large_transaction(20_000, true).await;
+    assert!(
+        took > Duration::from_secs(3),
+        "longer than the lease: {took:?}"
+    );
+    assert!(
+        peak < LARGE_TRANSACTION_RSS_BOUND,
+        "peak RSS {:.1} MiB",
+        peak as f64 / 1048576.0
+    );
+}
+
+/// The issue's scenario: 50,000 events of 10 kB (about 500 MB) in one transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: 500 MB in one transaction; run with --ignored"]
+async fn long_a_transaction_of_50000_events_longer_than_the_lease_passes_in_bounded_memory() {
+    let (peak, _) = one_large_transaction(50_000, false).await;
+    assert!(
+        peak < LARGE_TRANSACTION_RSS_BOUND,
+        "peak RSS {:.1} MiB",
+        peak as f64 / 1048576.0
+    );
 }
 
 #[tokio::test]

@@ -3,16 +3,19 @@
 //! confirming a position, the slot's lag, parking and deleting captured rows.
 //!
 //! A reader reads the slot in one of two ways, both with the built-in `pgoutput` plugin and
-//! whole committed transactions in commit order from the slot's confirmed position:
+//! committed transactions in commit order from the slot's confirmed position:
 //!
 //! - streaming ([`WalReader::streaming`], what the relay does): a replication connection of its
 //!   own (`START_REPLICATION`), which decodes each WAL record once and sends each transaction
 //!   as it commits; a position is confirmed by the standby status the reader sends after
-//!   JetStream acked everything before it;
+//!   JetStream acked everything before it. A read stops at its limits (messages and bytes) even
+//!   inside a transaction, so a transaction of any size is handed over in parts and the
+//!   reader's memory does not grow with it;
 //! - SQL calls on the caller's Diesel connection: `pg_logical_slot_peek_binary_changes` reads
 //!   without consuming and `pg_replication_slot_advance` confirms. Simple, but every read
 //!   decodes again from the slot's restart position, which PostgreSQL moves only at its
-//!   periodic snapshots (about every 15 s): a large backlog is decoded over and over.
+//!   periodic snapshots (about every 15 s): a large backlog is decoded over and over, and a
+//!   transaction is read whole.
 //!
 //! Either way a crash between publishing and confirming can only make the next reader read
 //! (and publish) the same transactions again, never skip one.
@@ -45,12 +48,13 @@
 //! let batch = reader.read(&mut conn, 500).await?; // waits up to 100 ms for a transaction
 //! for tx in &batch.transactions {
 //!     for row in &tx.rows {
-//!         println!("{} {} {}", tx.end_lsn, row.aggregate_id, row.event_type);
+//!         println!("{} {} {}", tx.commit_lsn, row.aggregate_id, row.event_type);
 //!     }
 //! }
-//! // ... publish, then confirm what JetStream acked:
-//! if let Some(tx) = batch.transactions.last() {
-//!     reader.advance(&mut conn, tx.end_lsn).await?;
+//! // ... publish, then confirm what JetStream acked, up to the end of the last transaction
+//! // received whole (a larger one comes in parts: its end with its last part)
+//! if let Some(end) = batch.transactions.iter().rev().find_map(|tx| tx.end_lsn) {
+//!     reader.advance(&mut conn, end).await?;
 //! }
 //! reader.close(&mut conn).await?; // the last confirmed position reaches the slot
 //! # Ok(()) }
@@ -360,28 +364,39 @@ fn maybe_busy(e: &WalError) -> bool {
     )
 }
 
-/// One committed transaction's outbox events.
+/// One committed transaction's outbox events, or a part of them.
+///
+/// A streaming read stops at its limits even inside a transaction: a transaction larger than
+/// a read comes in parts, consecutive entries (across reads) with the same `commit_lsn`, each
+/// with the next of its events; only the last part has the `end_lsn`. Nothing of a
+/// transaction may be confirmed before its last part.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Transaction {
     /// Its transaction id.
     pub xid: u32,
-    /// The end of its commit record: confirm this once every row is acked.
-    pub end_lsn: Lsn,
+    /// The start of its commit record (`pgoutput`'s final LSN): known from its first message,
+    /// it names the transaction in every part, and follows commit order.
+    pub commit_lsn: Lsn,
+    /// The end of its commit record: confirm this once every row is acked. `None` on a part
+    /// before the last.
+    pub end_lsn: Option<Lsn>,
     /// When it committed.
     pub commit_time: DateTime<Utc>,
-    /// Its events, in insertion order.
+    /// Its events in this part (all of them when it came whole), in insertion order.
     pub rows: Vec<OutboxRow>,
 }
 
 /// What one [`WalReader::read`] found.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct WalBatch {
-    /// Committed transactions with outbox events, in commit order.
+    /// Committed transactions with outbox events, in commit order; the first may be the rest of
+    /// a transaction begun in an earlier read, the last a first part (see [`Transaction`]).
     pub transactions: Vec<Transaction>,
-    /// A position the slot may be confirmed at once every transaction of this batch is
-    /// acked: when the read reached the end of the WAL, the WAL flush position before the
-    /// read (so that a slot whose database writes other tables does not hold their WAL);
-    /// else the end of the last transaction read, with or without outbox events.
+    /// A position the slot may be confirmed at once every transaction of this batch (and the
+    /// rest of one read in part) is acked: when the read reached the end of the WAL, the WAL
+    /// flush position before the read (so that a slot whose database writes other tables
+    /// does not hold their WAL); else the end of the last transaction read whole, with or
+    /// without outbox events. Never inside a transaction read in part.
     pub caught_up_to: Option<Lsn>,
     /// Messages the read returned (for the batch-size limit).
     pub messages: usize,
@@ -409,7 +424,7 @@ pub struct WalReader {
     acked: Lsn,
     /// Whether a missing slot that the record says was read before may be made again.
     recover: bool,
-    /// Released parked rows read and not settled yet: (end of their transaction, `seq`).
+    /// Released parked rows read and not settled yet: (their transaction's `commit_lsn`, `seq`).
     released: Vec<(Lsn, i64)>,
 }
 
@@ -452,11 +467,15 @@ struct StreamConfig {
     wait: Duration,
 }
 
+/// Messages the replication client receives ahead of the reader at most: with the reader's
+/// own read (its byte and message limits), what a streaming reader holds.
+const READ_AHEAD_MESSAGES: usize = 256;
+
 /// A streaming reader's replication connection and what it has received.
 struct Stream {
     client: pgwire_replication::ReplicationClient,
-    /// The transaction being received: its id, commit time and events so far.
-    open: Option<(u32, DateTime<Utc>, Vec<Captured>)>,
+    /// The transaction being received, with its events not handed over yet.
+    open: Option<Open>,
     /// The end of the last commit received (of any transaction), or the server's position
     /// from a keepalive between transactions: everything before it was received.
     received_to: Option<Lsn>,
@@ -480,9 +499,32 @@ impl fmt::Debug for Stream {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Stream")
             .field("received_to", &self.received_to)
-            .field("open", &self.open.as_ref().map(|o| (o.0, o.2.len())))
+            .field("open", &self.open.as_ref().map(|o| (o.xid, o.rows.len())))
             .finish_non_exhaustive()
     }
+}
+
+/// A transaction being received by a streaming reader.
+struct Open {
+    xid: u32,
+    commit_lsn: Lsn,
+    commit_time: DateTime<Utc>,
+    /// Its events received and not handed over yet.
+    rows: Vec<Captured>,
+    /// Whether a part of it was handed over: its commit is then returned even without rows
+    /// left, for its end.
+    parted: bool,
+    /// Confirmed already (it ends at or before the confirmed position): passed over.
+    stale: bool,
+}
+
+/// A transaction (or part) as read, before released parked rows are looked up.
+struct Read {
+    xid: u32,
+    commit_lsn: Lsn,
+    end_lsn: Option<Lsn>,
+    commit_time: DateTime<Utc>,
+    captured: Vec<Captured>,
 }
 
 impl fmt::Debug for Captured {
@@ -1031,9 +1073,10 @@ impl WalReader {
     }
 
     /// Reads the committed transactions after the slot's confirmed position, in commit
-    /// order, until about `limit` messages (a transaction is never split, so one larger
-    /// transaction is read whole). Nothing is consumed: the same transactions come again
-    /// until [`WalReader::advance`] confirms past them.
+    /// order, until about `limit` messages. A streaming reader stops there even inside a
+    /// transaction, which then comes in parts (see [`Transaction`]); a reader that reads with
+    /// SQL reads a larger transaction whole. Nothing is consumed: the same transactions come
+    /// again until [`WalReader::advance`] confirms past them.
     ///
     /// Only inserts into the outbox table count, except rows recorded as parked (a parked
     /// event written back by the relay). An update that releases a parked row
@@ -1045,22 +1088,25 @@ impl WalReader {
         limit: usize,
     ) -> Result<WalBatch, WalError> {
         let wait = self.streaming.as_ref().map_or(Duration::ZERO, |c| c.wait);
-        self.read_within(conn, limit, wait).await
+        self.read_within(conn, limit, usize::MAX, wait).await
     }
 
-    /// [`WalReader::read`], waiting up to `wait` instead of the configured time for the first
-    /// transaction of a streaming reader (`Duration::ZERO`: only what has arrived). The same as
-    /// `read` for a reader that reads with SQL.
+    /// [`WalReader::read`], stopping also once the messages read hold `max_bytes` (a streaming
+    /// reader, even inside a transaction: it holds no more than that of what it hands over),
+    /// and waiting up to `wait` instead of the configured time for the first message
+    /// (`Duration::ZERO`: only what has arrived). The same as `read` for a reader that reads
+    /// with SQL.
     pub async fn read_within(
         &mut self,
         conn: &mut AsyncPgConnection,
         limit: usize,
+        max_bytes: usize,
         wait: Duration,
     ) -> Result<WalBatch, WalError> {
         let limit = limit.max(1);
         if let Some(mut cfg) = self.streaming.clone() {
             cfg.wait = wait;
-            return self.read_stream(conn, &cfg, limit).await;
+            return self.read_stream(conn, &cfg, limit, max_bytes.max(1)).await;
         }
         self.read_sql(conn, limit).await
     }
@@ -1089,29 +1135,32 @@ impl WalReader {
         };
         let messages = changes.len();
         let mut transactions = Vec::new();
-        let mut current: Option<(u32, Vec<Captured>)> = None;
+        let mut current: Option<(u32, Lsn, Vec<Captured>)> = None;
         let mut last_commit = None;
         for change in &changes {
             match pgoutput::decode(&change.data)? {
-                Message::Begin { xid, .. } => current = Some((xid, Vec::new())),
+                Message::Begin { xid, final_lsn, .. } => {
+                    current = Some((xid, Lsn(final_lsn), Vec::new()))
+                }
                 Message::Commit {
                     end_lsn,
                     commit_time_micros,
                     ..
                 } => {
                     last_commit = Some(Lsn(end_lsn));
-                    if let Some((xid, rows)) = current.take()
-                        && !rows.is_empty()
+                    if let Some((xid, commit_lsn, captured)) = current.take()
+                        && !captured.is_empty()
                     {
-                        transactions.push((
+                        transactions.push(Read {
                             xid,
-                            Lsn(end_lsn),
-                            pgoutput::commit_time(commit_time_micros),
-                            rows,
-                        ));
+                            commit_lsn,
+                            end_lsn: Some(Lsn(end_lsn)),
+                            commit_time: pgoutput::commit_time(commit_time_micros),
+                            captured,
+                        });
                     }
                 }
-                other => self.capture(other, current.as_mut().map(|c| &mut c.1))?,
+                other => self.capture(other, current.as_mut().map(|c| &mut c.2))?,
             }
         }
         let transactions = self.resolve(conn, transactions).await?;
@@ -1167,20 +1216,20 @@ impl WalReader {
     async fn resolve(
         &mut self,
         conn: &mut AsyncPgConnection,
-        transactions: Vec<(u32, Lsn, DateTime<Utc>, Vec<Captured>)>,
+        transactions: Vec<Read>,
     ) -> Result<Vec<Transaction>, WalError> {
         let released: Vec<i64> = transactions
             .iter()
-            .flat_map(|t| t.3.iter())
+            .flat_map(|t| t.captured.iter())
             .filter_map(|c| match c {
                 Captured::Released(seq) => Some(*seq),
                 Captured::Row(_) => None,
             })
             .collect();
-        for (_, end, _, captured) in &transactions {
-            for c in captured {
+        for t in &transactions {
+            for c in &t.captured {
                 if let Captured::Released(seq) = c {
-                    self.released.push((*end, *seq));
+                    self.released.push((t.commit_lsn, *seq));
                 }
             }
         }
@@ -1195,11 +1244,13 @@ impl WalReader {
         };
         let transactions = transactions
             .into_iter()
-            .map(|(xid, end_lsn, commit_time, captured)| Transaction {
-                xid,
-                end_lsn,
-                commit_time,
-                rows: captured
+            .map(|t| Transaction {
+                xid: t.xid,
+                commit_lsn: t.commit_lsn,
+                end_lsn: t.end_lsn,
+                commit_time: t.commit_time,
+                rows: t
+                    .captured
                     .into_iter()
                     .filter_map(|c| match c {
                         Captured::Row(r) => Some(*r),
@@ -1300,8 +1351,8 @@ impl WalReader {
         Ok(Lsn(p.lsn.unwrap_or_default() as u64))
     }
 
-    /// Settles the released parked rows (`outbox-relay retry`) read in transactions up to
-    /// `confirmed`: their `last_error` is cleared, so that the cleanup of captured rows, which
+    /// Settles the released parked rows (`outbox-relay retry`) read in transactions confirmed
+    /// by `confirmed`: their `last_error` is cleared, so that the cleanup of captured rows, which
     /// passes over rows with a `last_error`, may delete them. A released row keeps it until
     /// then, so the cleanup cannot delete it before the reader has read the release.
     pub async fn settle_released(
@@ -1312,7 +1363,7 @@ impl WalReader {
         let seqs: Vec<i64> = self
             .released
             .iter()
-            .filter(|(end, _)| *end <= confirmed)
+            .filter(|(commit, _)| confirms(confirmed, *commit))
             .map(|(_, seq)| *seq)
             .collect();
         if seqs.is_empty() {
@@ -1325,7 +1376,8 @@ impl WalReader {
         .bind::<Array<BigInt>, _>(&seqs)
         .execute(conn)
         .await?;
-        self.released.retain(|(end, _)| *end > confirmed);
+        self.released
+            .retain(|(commit, _)| !confirms(confirmed, *commit));
         Ok(())
     }
 
@@ -1352,6 +1404,7 @@ impl WalReader {
         conn: &mut AsyncPgConnection,
         cfg: &StreamConfig,
         limit: usize,
+        max_bytes: usize,
     ) -> Result<WalBatch, WalError> {
         if self.stream.is_none() {
             self.connect(conn, cfg).await?;
@@ -1359,13 +1412,19 @@ impl WalReader {
         let Some(mut st) = self.stream.take() else {
             return Ok(WalBatch::default());
         };
-        let result = self.receive(&mut st, cfg, limit).await;
+        let result = self.receive(&mut st, cfg, limit, max_bytes).await;
         match result {
             Ok((transactions, messages, caught_up)) => {
+                // never inside the transaction being received: `received_to` is a commit's
+                // end, or a position between transactions
                 let caught_up_to = if caught_up && st.open.is_none() {
                     st.received_to
                 } else {
-                    transactions.last().map(|t| t.1).or(st.received_to)
+                    transactions
+                        .iter()
+                        .rev()
+                        .find_map(|t| t.end_lsn)
+                        .or(st.received_to)
                 };
                 self.stream = Some(st);
                 let transactions = self.resolve(conn, transactions).await?;
@@ -1383,23 +1442,37 @@ impl WalReader {
         }
     }
 
-    /// Receives until `limit` messages and the end of a transaction, or until nothing more
-    /// is ready (after waiting up to `cfg.wait` for the first message). Returns the committed
-    /// transactions with events, the messages received, and whether it stopped for want of
-    /// more.
-    #[allow(clippy::type_complexity)]
+    /// Receives until `limit` messages or `max_bytes` of them, or until nothing more is ready
+    /// (after waiting up to `cfg.wait` for the first message). A limit reached inside a
+    /// transaction hands over its events received so far as a part; the rest follows on later
+    /// reads. Returns the transactions (and parts) with events, the messages received, and
+    /// whether it stopped for want of more.
     async fn receive(
         &mut self,
         st: &mut Stream,
         cfg: &StreamConfig,
         limit: usize,
-    ) -> Result<(Vec<(u32, Lsn, DateTime<Utc>, Vec<Captured>)>, usize, bool), WalError> {
+        max_bytes: usize,
+    ) -> Result<(Vec<Read>, usize, bool), WalError> {
         use pgwire_replication::ReplicationEvent as Event;
         let deadline = tokio::time::Instant::now() + cfg.wait;
         let mut transactions = Vec::new();
         let mut messages = 0usize;
+        let mut bytes = 0usize;
         loop {
-            if messages >= limit && st.open.is_none() {
+            if messages >= limit || bytes >= max_bytes {
+                if let Some(open) = st.open.as_mut()
+                    && !open.rows.is_empty()
+                {
+                    open.parted = true;
+                    transactions.push(Read {
+                        xid: open.xid,
+                        commit_lsn: open.commit_lsn,
+                        end_lsn: None,
+                        commit_time: open.commit_time,
+                        captured: std::mem::take(&mut open.rows),
+                    });
+                }
                 return Ok((transactions, messages, false));
             }
             // wait for the first message; then take what is ready (a transaction being
@@ -1420,28 +1493,45 @@ impl WalReader {
             match event {
                 Event::Begin {
                     xid,
+                    final_lsn,
                     commit_time_micros,
-                    ..
                 } => {
                     messages += 1;
-                    // the replication protocol counts from 2000-01-01, not 1970
-                    st.open = Some((xid, pgoutput::pg_time(commit_time_micros), Vec::new()));
+                    let commit_lsn = Lsn(final_lsn.0);
+                    st.open = Some(Open {
+                        xid,
+                        commit_lsn,
+                        // the protocol's own Begin: PostgreSQL's epoch, not decoded by `pgoutput`
+                        commit_time: pgoutput::pg_time(commit_time_micros),
+                        rows: Vec::new(),
+                        parted: false,
+                        stale: confirms(self.acked, commit_lsn),
+                    });
                 }
                 Event::XLogData { data, .. } => {
                     messages += 1;
+                    bytes += data.len();
                     let message = pgoutput::decode(&data)?;
-                    self.capture(message, st.open.as_mut().map(|o| &mut o.2))?;
+                    let rows = st.open.as_mut().filter(|o| !o.stale).map(|o| &mut o.rows);
+                    self.capture(message, rows)?;
                 }
                 Event::Commit { end_lsn, .. } => {
                     messages += 1;
                     let end = Lsn(end_lsn.0);
                     st.received_to = st.received_to.max(Some(end));
                     // Begin carried the commit time already
-                    if let Some((xid, at, rows)) = st.open.take()
-                        && !rows.is_empty()
+                    if let Some(open) = st.open.take()
+                        && (!open.rows.is_empty() || open.parted)
+                        && !open.stale
                         && end > self.acked
                     {
-                        transactions.push((xid, end, at, rows));
+                        transactions.push(Read {
+                            xid: open.xid,
+                            commit_lsn: open.commit_lsn,
+                            end_lsn: Some(end),
+                            commit_time: open.commit_time,
+                            captured: open.rows,
+                        });
                     }
                 }
                 Event::KeepAlive { wal_end, .. } => {
@@ -1519,6 +1609,7 @@ impl WalReader {
         .with_start_lsn(pgwire_replication::Lsn(self.acked.0))
         .with_ack_lsn(pgwire_replication::Lsn(self.acked.0))
         .with_status_interval(Duration::from_secs(1))
+        .with_buffer_size(READ_AHEAD_MESSAGES)
         .with_options("-c TimeZone=UTC -c DateStyle=ISO,YMD")
         .with_application_name("outbox-relay")
     }
@@ -1593,6 +1684,14 @@ impl WalReader {
             st.client.abort();
         }
     }
+}
+
+/// Whether a slot confirmed at `confirmed` is past the transaction whose commit record starts
+/// at `commit_lsn` ([`Transaction::commit_lsn`]). A confirmed position is the end of a commit
+/// record or a position between transactions, never inside a commit record: past its start is
+/// past its end.
+pub fn confirms(confirmed: Lsn, commit_lsn: Lsn) -> bool {
+    confirmed > commit_lsn
 }
 
 /// Ends the walsender that holds `slot`, if any (not a SQL session that reads it for an

@@ -76,10 +76,14 @@ pub struct RelayConfig {
     pub batch_size: usize,
     /// Unacked publishes in flight at most (default 512).
     pub max_in_flight: usize,
-    /// Payload bytes a batch holds at most (default 8 MiB; polling modes): a query stops
-    /// taking rows once their payloads (as their JSON text) reach it, and always takes one.
-    /// The relay holds about three batches (two per worker in unordered mode), so this bounds
-    /// its memory for any payload mix, as `batch_size` alone does not.
+    /// Payload bytes a batch holds at most (default 8 MiB), in every mode. Polling: a query
+    /// stops taking rows once their payloads (as their JSON text) reach it, and always takes
+    /// one; the relay holds about three batches (two per worker in unordered mode). Log
+    /// tailing: the reader holds no more than this of events read and not acked; a read stops
+    /// at what is left of it, inside a transaction too, so a larger transaction is published
+    /// in parts while the rest of it is read (the replication client receives up to 256
+    /// messages ahead besides). This bounds the relay's memory for any payload mix and any
+    /// transaction size, as `batch_size` alone does not.
     pub max_batch_bytes: usize,
     /// How often an idle relay polls (default 100 ms); `NOTIFY` wakes it sooner.
     pub poll_interval: Duration,

@@ -224,7 +224,7 @@ impl<'a> Pipeline<'a> {
     }
 
     /// Waits for the oldest ack in flight, if any.
-    async fn next_ack(&mut self) {
+    pub(crate) async fn next_ack(&mut self) {
         if let Some(result) = self.acks.next().await
             && let Some(sent) = self.sent.pop_front()
         {

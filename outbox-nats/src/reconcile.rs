@@ -170,12 +170,15 @@ impl Lookups {
     /// One pass: the ids of the rows of `rows` that are old enough to be looked up and whose
     /// message the stream holds. Younger rows cost nothing; a subject costs one read per
     /// horizon, however many rows of it come, in this pass or later ones.
-    pub async fn stored(&mut self, rows: &[OutboxRow]) -> Result<HashSet<Uuid>, ReconcileError> {
+    pub async fn stored<'a>(
+        &mut self,
+        rows: impl IntoIterator<Item = &'a OutboxRow>,
+    ) -> Result<HashSet<Uuid>, ReconcileError> {
         let r = &self.reconciler;
         let now = Utc::now();
         let mut since_of: HashMap<String, DateTime<Utc>> = HashMap::new();
         let mut checked: Vec<(Uuid, String)> = Vec::new();
-        for row in rows.iter().filter(|row| r.needs_check(row, now)) {
+        for row in rows.into_iter().filter(|row| r.needs_check(row, now)) {
             let subject = r.template.render(
                 &r.prefix,
                 &row.aggregate_type,

@@ -15,13 +15,20 @@
 //! within the duplicate window, and a row older than that is looked up in the stream first
 //! and confirmed without being sent when it is there (see `reconcile`).
 //!
+//! Memory: the reader holds no more than `max_batch_bytes` of events read and not acked. A
+//! read stops at what is left of that budget, inside a transaction too, so a transaction of
+//! any size is published in parts while the rest of it is still being read; an acked event
+//! is let go at once, its transaction remembered by a count until its end is read and acked.
+//! The session is queried between parts (and before a send once half the lease has passed),
+//! so a transaction that takes longer than the lease to publish keeps it.
+//!
 //! Poison events: the log cannot leave one event behind and go on in order, so a row
 //! JetStream keeps rejecting holds the reader (retried with backoff) until `max_attempts`,
 //! then is parked: written back to the outbox table with `parked_at` and its error, counted
 //! and logged, and passed over. Later events of its aggregate are not held back in this mode.
 //! `outbox-relay retry` releases it (an UPDATE, which the reader sees and publishes then).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -63,83 +70,143 @@ struct State {
     oldest_unconfirmed: Option<DateTime<Utc>>,
     /// Failed attempts of events that JetStream rejected.
     attempts: HashMap<Uuid, u32>,
-    /// Parked events, by id and the end of their transaction, passed over until confirmed.
+    /// Parked events, by id and their transaction's `commit_lsn`, passed over until confirmed.
     parked: HashSet<(Uuid, Lsn)>,
 }
 
-/// The transactions read and not confirmed yet, in commit order, with their rows sent (or
-/// left unsent after a failure).
+/// The transactions read and not confirmed yet, in commit order, and their events not acked
+/// yet, in send order.
 ///
-/// The pipeline sends rows in window order and returns their acks in send order, so while
-/// nothing failed the acked rows are the first `acked` rows of the window: confirming is a
-/// walk from the front. After a failure later acks may still succeed out of that order;
-/// [`Window::acked_seqs`] then gives them all to [`confirmable`].
+/// An acked event leaves the window at once; its transaction keeps a count of the events
+/// still unacked. A transaction is confirmable once its end was read and the count is zero,
+/// and the slot is confirmed past the longest run of confirmable transactions from the front.
+/// The pipeline returns acks in send order while nothing failed; after a failure, later acks
+/// may still arrive out of that order, and each takes its own event out.
 #[derive(Debug, Default)]
 struct Window {
-    batch: WalBatch,
+    /// In commit order: `commit_lsn` increases.
+    transactions: VecDeque<Pending>,
+    /// Each with its transaction's `commit_lsn`.
+    rows: VecDeque<(OutboxRow, Lsn)>,
+    /// The payload bytes of `rows`.
+    bytes: usize,
     /// Where the slot may be confirmed once every transaction of the window is acked.
     caught_up_to: Option<Lsn>,
-    rows: Vec<OutboxRow>,
-    /// Each row's transaction, an index into `batch.transactions` (nondecreasing).
-    txn_of: Vec<usize>,
-    /// How many rows from the front are acked.
-    acked: usize,
+}
+
+/// A transaction of the window.
+#[derive(Debug)]
+struct Pending {
+    commit_lsn: Lsn,
+    /// `None` until its last part is read.
+    end_lsn: Option<Lsn>,
+    commit_time: DateTime<Utc>,
+    /// Its events in the window.
+    unacked: usize,
+    /// Its highest `seq`, parked events included.
+    max_seq: i64,
+}
+
+/// How far the window lets the slot be confirmed.
+#[derive(Debug, PartialEq)]
+struct Confirmable {
+    /// The end of the last transaction acked whole, or the caught-up position when all are.
+    to: Option<Lsn>,
+    /// The highest `seq` up to there.
+    max_seq: i64,
+    /// How many transactions from the front are acked whole.
+    done: usize,
 }
 
 impl Window {
-    /// After `n` more acks in order: the end of the last transaction acked whole (or the
-    /// caught-up position when all are), the highest `seq` up to it, and the first
-    /// transaction not acked whole.
-    fn ack_in_order(&mut self, n: usize) -> (Option<Lsn>, i64, Option<usize>) {
-        self.acked = (self.acked + n).min(self.rows.len());
-        let first_open = self.txn_of.get(self.acked).copied();
-        let done = first_open.unwrap_or(self.batch.transactions.len());
-        let mut to = done
-            .checked_sub(1)
-            .and_then(|t| self.batch.transactions.get(t))
-            .map(|t| t.end_lsn);
-        if first_open.is_none() {
-            to = to.max(self.caught_up_to);
+    /// Adds the transactions (and parts) of `batch`; their events not parked (by id and
+    /// transaction) join the rows, to be sent. Returns the index of the first new row.
+    fn add(&mut self, batch: WalBatch, parked: &HashSet<(Uuid, Lsn)>) -> usize {
+        let first = self.rows.len();
+        self.caught_up_to = self.caught_up_to.max(batch.caught_up_to);
+        for tx in batch.transactions {
+            let continued = self
+                .transactions
+                .back()
+                .is_some_and(|t| t.commit_lsn == tx.commit_lsn && t.end_lsn.is_none());
+            if !continued {
+                self.transactions.push_back(Pending {
+                    commit_lsn: tx.commit_lsn,
+                    end_lsn: None,
+                    commit_time: tx.commit_time,
+                    unacked: 0,
+                    max_seq: 0,
+                });
+            }
+            let Some(pending) = self.transactions.back_mut() else {
+                continue;
+            };
+            pending.end_lsn = tx.end_lsn;
+            for row in tx.rows {
+                pending.max_seq = pending.max_seq.max(row.seq);
+                if !parked.contains(&(row.id, tx.commit_lsn)) {
+                    pending.unacked += 1;
+                    self.bytes += row.payload.as_str().len();
+                    self.rows.push_back((row, tx.commit_lsn));
+                }
+            }
         }
-        let rows_done = self.txn_of.partition_point(|&t| t < done);
-        let max_seq = self.rows[..rows_done]
-            .iter()
-            .map(|r| r.seq)
-            .max()
-            .unwrap_or(0);
-        (to, max_seq, first_open)
+        first
     }
 
-    /// Every acked `seq`: the first `acked` rows and `late`, acks that came after a failure.
-    fn acked_seqs(&self, late: &[i64]) -> Vec<i64> {
-        let mut all: Vec<i64> = self.rows[..self.acked].iter().map(|r| r.seq).collect();
-        all.extend_from_slice(late);
-        all
+    /// Takes the acked events out: each the first row with its `seq` (the front one while
+    /// acks come in send order).
+    fn ack(&mut self, seqs: &[i64]) {
+        for seq in seqs {
+            let Some(i) = self.rows.iter().position(|(r, _)| r.seq == *seq) else {
+                continue;
+            };
+            let Some((row, commit_lsn)) = self.rows.remove(i) else {
+                continue;
+            };
+            self.bytes = self.bytes.saturating_sub(row.payload.as_str().len());
+            let t = self
+                .transactions
+                .partition_point(|t| t.commit_lsn < commit_lsn);
+            if let Some(t) = self.transactions.get_mut(t) {
+                t.unacked = t.unacked.saturating_sub(1);
+            }
+        }
     }
 
-    /// Drops the first `n` transactions (confirmed, so acked whole) and their rows.
+    fn confirmable(&self) -> Confirmable {
+        let mut c = Confirmable {
+            to: None,
+            max_seq: 0,
+            done: 0,
+        };
+        for t in &self.transactions {
+            match t.end_lsn {
+                Some(end) if t.unacked == 0 => {
+                    c.to = Some(end);
+                    c.max_seq = c.max_seq.max(t.max_seq);
+                    c.done += 1;
+                }
+                _ => return c,
+            }
+        }
+        c.to = c.to.max(self.caught_up_to);
+        c
+    }
+
+    /// Drops the first `n` transactions (confirmed, so acked whole).
     fn drop_confirmed(&mut self, n: usize) {
-        if n == 0 {
-            return;
-        }
-        let rows = self.txn_of.partition_point(|&t| t < n);
-        self.rows.drain(..rows);
-        self.txn_of.drain(..rows);
-        for t in &mut self.txn_of {
-            *t -= n;
-        }
-        self.batch.transactions.drain(..n);
-        self.acked = self.acked.saturating_sub(rows);
+        self.transactions.drain(..n.min(self.transactions.len()));
     }
 
-    /// The row `seq` that was not acked (given every acked `seq`), and its transaction's end.
-    fn unacked_row(&self, seq: i64, acked: &[i64]) -> Option<(OutboxRow, Lsn)> {
-        let i = self
-            .rows
-            .iter()
-            .position(|r| r.seq == seq && !acked.contains(&seq))?;
-        let t = self.batch.transactions.get(self.txn_of[i])?;
-        Some((self.rows[i].clone(), t.end_lsn))
+    /// The commit time of the oldest transaction not confirmed.
+    fn oldest(&self) -> Option<DateTime<Utc>> {
+        self.transactions.front().map(|t| t.commit_time)
+    }
+
+    /// The unacked row `seq` and its transaction's `commit_lsn`.
+    fn unacked_row(&self, seq: i64) -> Option<(OutboxRow, Lsn)> {
+        self.rows.iter().find(|(r, _)| r.seq == seq).cloned()
     }
 }
 
@@ -343,7 +410,9 @@ impl Tailing {
 
     /// Reads the stream and keeps the NATS pipeline full across reads: the rows of what was
     /// read are sent while the acks of earlier ones arrive, and the slot is confirmed past the
-    /// transactions acked whole, in commit order. A failed publish stops the sending; the
+    /// transactions acked whole, in commit order. What is read and not acked stays within
+    /// `max_batch_bytes`: each read takes what is left of it (stopping inside a transaction if
+    /// need be), and none is made while it is spent. A failed publish stops the sending; the
     /// acks in flight are let in, the slot confirmed as far as they allow, and the reader goes
     /// back to the confirmed position, so that what was not acked comes again.
     async fn read_loop(
@@ -373,74 +442,85 @@ impl Tailing {
                 next_cleanup = Instant::now() + cfg.captured_cleanup_interval;
             }
             // The stream proves nothing about the session that holds the slot's lock, so the
-            // lease is not confirmed by a read; an idle reader queries its session instead,
-            // before PostgreSQL ends it as silent (whatever --stats-interval is).
+            // lease is not confirmed by a read; the reader queries its session instead, while
+            // idle or between the parts of a long transaction, before PostgreSQL ends it as
+            // silent (whatever --stats-interval is).
             lease.renew_if_due(conn).await?;
-            // with acks in flight, take only what has arrived; else wait for a transaction.
-            let wait = if pipe.is_empty() {
-                cfg.poll_interval
-            } else {
-                Duration::ZERO
-            };
-            let read = tokio::select! {
-                r = reader.read_within(conn, cfg.batch_size, wait) => r,
-                _ = self.shutdown.cancelled() => break,
-            };
-            let batch = match read {
-                Ok(b) => b,
-                Err(WalError::SlotBusy { .. }) => {
-                    // `outbox-relay status` reads the slot for an instant
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-                Err(e) => return Err(e),
-            };
-            let fresh = !batch.transactions.is_empty();
-            if fresh {
-                let span = info_span!(
-                    "outbox.batch",
-                    batch.transactions = batch.transactions.len()
-                );
-                self.send(
-                    conn,
-                    &mut pipe,
-                    &mut window,
-                    &mut lookups,
-                    batch,
-                    &state.parked,
-                    lease,
-                )
-                .instrument(span)
-                .await?;
-            } else {
-                if pipe.is_empty() {
-                    self.health.progressed();
-                }
-                window.caught_up_to = window.caught_up_to.max(batch.caught_up_to);
-                // nothing new: let the acks in flight arrive
-                pipe.drain().await;
-            }
-            if !pipe.stopped() {
+            let room = cfg.max_batch_bytes.saturating_sub(window.bytes);
+            if room == 0 && !pipe.is_empty() {
+                // the budget is spent on events in flight: the oldest ack frees some
+                pipe.next_ack().await;
                 self.confirm(conn, reader, &mut window, &mut pipe, &mut state)
                     .await?;
-            }
-            if !pipe.stopped() {
-                if !fresh {
-                    backoff.reset();
+                if !pipe.stopped() {
+                    continue;
                 }
-                continue;
+            } else {
+                // with acks in flight, take only what has arrived; else wait for a transaction
+                let wait = if pipe.is_empty() {
+                    cfg.poll_interval
+                } else {
+                    Duration::ZERO
+                };
+                let read = tokio::select! {
+                    r = reader.read_within(conn, cfg.batch_size, room, wait) => r,
+                    _ = self.shutdown.cancelled() => break,
+                };
+                let batch = match read {
+                    Ok(b) => b,
+                    Err(WalError::SlotBusy { .. }) => {
+                        // `outbox-relay status` reads the slot for an instant
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                };
+                let fresh = !batch.transactions.is_empty();
+                if fresh {
+                    let span = info_span!(
+                        "outbox.batch",
+                        batch.transactions = batch.transactions.len()
+                    );
+                    self.send(
+                        conn,
+                        &mut pipe,
+                        &mut window,
+                        &mut lookups,
+                        batch,
+                        &state.parked,
+                        lease,
+                    )
+                    .instrument(span)
+                    .await?;
+                } else {
+                    if pipe.is_empty() {
+                        self.health.progressed();
+                    }
+                    window.caught_up_to = window.caught_up_to.max(batch.caught_up_to);
+                    // nothing new: let the acks in flight arrive
+                    pipe.drain().await;
+                }
+                if !pipe.stopped() {
+                    self.confirm(conn, reader, &mut window, &mut pipe, &mut state)
+                        .await?;
+                }
+                if !pipe.stopped() {
+                    if !fresh {
+                        backoff.reset();
+                    }
+                    continue;
+                }
             }
             // a failure: what is in flight still counts, the rest comes again
             pipe.drain().await;
-            let acked = self
-                .confirm(conn, reader, &mut window, &mut pipe, &mut state)
+            self.confirm(conn, reader, &mut window, &mut pipe, &mut state)
                 .await?;
             let end = pipe.take_end();
             reader.rewind();
             // what was sent and not acked may be stored: a new horizon for the next look-ups
             lookups.reset();
             let failed = match &end {
-                BatchEnd::RowFailed { seq, .. } => window.unacked_row(*seq, &acked),
+                BatchEnd::RowFailed { seq, .. } => window.unacked_row(*seq),
                 _ => None,
             };
             window = Window::default();
@@ -457,7 +537,7 @@ impl Tailing {
                     park_now,
                     ..
                 } => {
-                    let Some((row, end_lsn)) = failed else {
+                    let Some((row, commit_lsn)) = failed else {
                         continue;
                     };
                     let n = state.attempts.entry(row.id).or_insert(0);
@@ -466,7 +546,7 @@ impl Tailing {
                     if park_now || n >= cfg.max_attempts {
                         wal::park(conn, &cfg.table, &row, n as i32, &error).await?;
                         state.attempts.remove(&row.id);
-                        state.parked.insert((row.id, end_lsn));
+                        state.parked.insert((row.id, commit_lsn));
                         metrics::counter!(m::ROWS_PARKED).increment(1);
                         error!(outbox.seq = seq, outbox.id = %row.id, error = %error, "event parked: JetStream keeps rejecting it, so log tailing passes over it (later events of its aggregate are not held back); `outbox-relay parked` lists it, `outbox-relay retry` publishes it again");
                     } else {
@@ -485,10 +565,14 @@ impl Tailing {
         Ok(())
     }
 
-    /// Adds `batch` to the window and sends its rows (not the parked ones) into the pipeline,
-    /// until it stops. Before a row is sent, a lease in doubt is renewed with a query: a
-    /// transaction of many events is read whole and may take longer than half the lease to
-    /// publish, and the lease must not lapse on a live session.
+    /// Adds `batch` (whole transactions, or parts of one) to the window and sends its rows
+    /// (not the parked ones) into the pipeline, until it stops. Before a row is sent, a lease
+    /// in doubt is renewed with a query: a part may take longer than half the lease to
+    /// publish (one ack round trip per event of one aggregate), and the lease must not lapse
+    /// on a live session.
+    /// Transactions read again (after a restart or a failed publish) may be in the stream
+    /// already: their rows old enough for that are looked up first, and those found are
+    /// confirmed in their turn, not sent.
     #[allow(clippy::too_many_arguments)]
     async fn send(
         &self,
@@ -500,13 +584,12 @@ impl Tailing {
         parked: &HashSet<(Uuid, Lsn)>,
         lease: &Lease,
     ) -> Result<(), WalError> {
-        window.caught_up_to = window.caught_up_to.max(batch.caught_up_to);
-        let (rows, txn_of) = pending_rows(&batch, parked);
-        // transactions read again (after a restart or a failed publish) may be in the stream
-        // already: their rows old enough for that are looked up, and found ones are confirmed
-        // in their turn, not sent
+        let first = window.add(batch, parked);
         if !pipe.stopped() {
-            match lookups.stored(&rows).await {
+            match lookups
+                .stored(window.rows.range(first..).map(|(r, _)| r))
+                .await
+            {
                 Ok(stored) => pipe.already_stored(stored),
                 Err(e) => {
                     warn!(error = %e, "rows in doubt cannot be looked up; reading them again");
@@ -514,26 +597,22 @@ impl Tailing {
                 }
             }
         }
-        let base = window.batch.transactions.len();
-        for (row, t) in rows.into_iter().zip(txn_of) {
-            if !pipe.stopped() {
-                if !lease.is_valid() {
-                    let started = Instant::now();
-                    outbox_diesel::relay::keep_alive(conn).await?;
-                    lease.confirm(started);
-                }
-                pipe.send(&row).await;
+        for (row, _) in window.rows.range(first..) {
+            if pipe.stopped() {
+                break;
             }
-            window.rows.push(row);
-            window.txn_of.push(base + t);
+            if !lease.is_valid() {
+                let started = Instant::now();
+                outbox_diesel::relay::keep_alive(conn).await?;
+                lease.confirm(started);
+            }
+            pipe.send(row).await;
         }
-        window.batch.transactions.extend(batch.transactions);
         Ok(())
     }
 
-    /// Confirms the slot past the transactions of the window acked whole, and drops them.
-    /// Returns every acked `seq` still in the window when the pipeline has stopped (for the
-    /// failure's row), else nothing.
+    /// Takes the acks that arrived out of the window and confirms the slot past the
+    /// transactions acked whole, which leave the window.
     async fn confirm(
         &self,
         conn: &mut AsyncPgConnection,
@@ -541,28 +620,18 @@ impl Tailing {
         window: &mut Window,
         pipe: &mut Pipeline<'_>,
         state: &mut State,
-    ) -> Result<Vec<i64>, WalError> {
+    ) -> Result<(), WalError> {
         let acked = pipe.take_acked();
         if !state.attempts.is_empty() {
             for seq in &acked {
-                if let Some(r) = window.rows.iter().find(|r| r.seq == *seq) {
+                if let Some((r, _)) = window.rows.iter().find(|(r, _)| r.seq == *seq) {
                     state.attempts.remove(&r.id);
                 }
             }
         }
-        let (confirm_to, max_seq, first_open, all_acked) = if pipe.stopped() {
-            let all = window.acked_seqs(&acked);
-            window.batch.caught_up_to = window.caught_up_to;
-            let (to, max_seq, first_open) =
-                confirmable(&window.batch, &window.rows, &window.txn_of, &all);
-            (to, max_seq, first_open, all)
-        } else {
-            let (to, max_seq, first_open) = window.ack_in_order(acked.len());
-            (to, max_seq, first_open, Vec::new())
-        };
-        state.oldest_unconfirmed =
-            first_open.and_then(|i| window.batch.transactions.get(i).map(|t| t.commit_time));
-        if let Some(to) = confirm_to
+        window.ack(&acked);
+        let c = window.confirmable();
+        if let Some(to) = c.to
             && to > state.confirmed
         {
             state.confirmed = match reader.advance(conn, to).await {
@@ -572,15 +641,16 @@ impl Tailing {
                 Err(e) => return Err(e),
             };
             reader.settle_released(conn, state.confirmed).await?;
-            state.max_confirmed_seq = state.max_confirmed_seq.max(max_seq);
+            state.max_confirmed_seq = state.max_confirmed_seq.max(c.max_seq);
             let confirmed = state.confirmed;
-            state.parked.retain(|(_, lsn)| *lsn > confirmed);
+            state
+                .parked
+                .retain(|(_, commit_lsn)| !wal::confirms(confirmed, *commit_lsn));
             debug!(lsn = %state.confirmed, "slot confirmed");
         }
-        if !pipe.stopped() {
-            window.drop_confirmed(first_open.unwrap_or(window.batch.transactions.len()));
-        }
-        Ok(all_acked)
+        window.drop_confirmed(c.done);
+        state.oldest_unconfirmed = window.oldest();
+        Ok(())
     }
 
     /// Refreshes the slot's lag figures and warns when it lags.
@@ -652,53 +722,6 @@ impl Tailing {
     }
 }
 
-/// The rows to publish, in commit order, without parked ones, and each row's transaction.
-fn pending_rows(batch: &WalBatch, parked: &HashSet<(Uuid, Lsn)>) -> (Vec<OutboxRow>, Vec<usize>) {
-    let mut rows = Vec::new();
-    let mut txn_of = Vec::new();
-    for (t, tx) in batch.transactions.iter().enumerate() {
-        for row in &tx.rows {
-            if !parked.contains(&(row.id, tx.end_lsn)) {
-                rows.push(row.clone());
-                txn_of.push(t);
-            }
-        }
-    }
-    (rows, txn_of)
-}
-
-/// How far the slot may be confirmed: past the longest run of transactions whose rows were
-/// all acked (and past the whole read when every one was). Returns that position, the highest
-/// `seq` in it, and the first transaction not confirmed.
-fn confirmable(
-    batch: &WalBatch,
-    rows: &[OutboxRow],
-    txn_of: &[usize],
-    acked: &[i64],
-) -> (Option<Lsn>, i64, Option<usize>) {
-    let mut acked_left: HashMap<i64, usize> = HashMap::new();
-    for seq in acked {
-        *acked_left.entry(*seq).or_default() += 1;
-    }
-    let mut complete = vec![true; batch.transactions.len()];
-    for (row, &t) in rows.iter().zip(txn_of) {
-        match acked_left.get_mut(&row.seq) {
-            Some(n) if *n > 0 => *n -= 1,
-            _ => complete[t] = false,
-        }
-    }
-    let mut to = None;
-    let mut max_seq = 0;
-    for (t, tx) in batch.transactions.iter().enumerate() {
-        if !complete[t] {
-            return (to, max_seq, Some(t));
-        }
-        to = Some(tx.end_lsn);
-        max_seq = tx.rows.iter().map(|r| r.seq).fold(max_seq, i64::max);
-    }
-    (to.max(batch.caught_up_to), max_seq, None)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -718,119 +741,159 @@ mod tests {
         }
     }
 
-    fn batch() -> WalBatch {
-        let tx = |end: u64, seqs: &[i64]| Transaction {
-            xid: end as u32,
-            end_lsn: Lsn(end),
+    /// A transaction (or part) whose commit record starts at `commit`, with rows `seqs`.
+    fn tx(commit: u64, end: Option<u64>, seqs: &[i64]) -> Transaction {
+        Transaction {
+            xid: commit as u32,
+            commit_lsn: Lsn(commit),
+            end_lsn: end.map(Lsn),
             commit_time: Utc::now(),
             rows: seqs.iter().map(|&s| row(s)).collect(),
-        };
+        }
+    }
+
+    fn batch() -> WalBatch {
         WalBatch {
             // commit order differs from seq order
-            transactions: vec![tx(100, &[5, 6]), tx(200, &[3]), tx(300, &[7])],
+            transactions: vec![
+                tx(90, Some(100), &[5, 6]),
+                tx(190, Some(200), &[3]),
+                tx(290, Some(300), &[7]),
+            ],
             caught_up_to: Some(Lsn(400)),
             messages: 10,
         }
     }
 
+    fn seqs(w: &Window) -> Vec<i64> {
+        w.rows.iter().map(|(r, _)| r.seq).collect()
+    }
+
+    fn confirmable(to: Option<u64>, max_seq: i64, done: usize) -> Confirmable {
+        Confirmable {
+            to: to.map(Lsn),
+            max_seq,
+            done,
+        }
+    }
+
     #[test]
     fn confirms_only_past_whole_acked_transactions() {
-        let b = batch();
-        let (rows, txn_of) = pending_rows(&b, &HashSet::new());
-        assert_eq!(rows.iter().map(|r| r.seq).collect::<Vec<_>>(), [5, 6, 3, 7]);
+        let mut w = Window::default();
+        assert_eq!(w.add(batch(), &HashSet::new()), 0);
+        assert_eq!(seqs(&w), [5, 6, 3, 7]);
+        assert_eq!(w.confirmable(), confirmable(None, 0, 0));
+        // the first transaction, then part of the second read
+        w.ack(&[5, 6]);
+        assert_eq!(w.confirmable(), confirmable(Some(100), 6, 1));
+        // 3 failed while 7 was acked: nothing past the first transaction
+        w.ack(&[7]);
+        assert_eq!(w.confirmable(), confirmable(Some(100), 6, 1));
+        assert_eq!(
+            w.unacked_row(3).map(|(r, lsn)| (r.seq, lsn)),
+            Some((3, Lsn(190)))
+        );
+        assert!(w.unacked_row(7).is_none());
         // all acked: past the whole read
-        assert_eq!(
-            confirmable(&b, &rows, &txn_of, &[5, 6, 3, 7]),
-            (Some(Lsn(400)), 7, None)
+        w.ack(&[3]);
+        assert_eq!(w.confirmable(), confirmable(Some(400), 7, 3));
+        w.drop_confirmed(3);
+        assert!(w.transactions.is_empty() && w.rows.is_empty() && w.oldest().is_none());
+    }
+
+    #[test]
+    fn a_transaction_in_parts_is_confirmed_only_after_its_last_part_is_acked() {
+        let mut w = Window::default();
+        let part = |txs: Vec<Transaction>, caught_up_to: Option<u64>| WalBatch {
+            transactions: txs,
+            caught_up_to: caught_up_to.map(Lsn),
+            messages: 0,
+        };
+        // a whole transaction, then the first part of a large one
+        let first = w.add(
+            part(
+                vec![tx(90, Some(100), &[1]), tx(190, None, &[2, 3])],
+                Some(100),
+            ),
+            &HashSet::new(),
         );
-        // 6 failed while 3 and 7 were acked: nothing past the first transaction's start
+        assert_eq!(first, 0);
+        w.ack(&[1, 2, 3]);
+        assert_eq!(w.confirmable(), confirmable(Some(100), 1, 1));
+        w.drop_confirmed(1);
+        // acked events leave the window; their transaction stays, open
+        assert!(w.rows.is_empty());
+        assert_eq!(w.bytes, 0);
+        assert_eq!(w.transactions.len(), 1);
+        // a middle part
         assert_eq!(
-            confirmable(&b, &rows, &txn_of, &[5, 3, 7]),
-            (None, 0, Some(0))
+            w.add(part(vec![tx(190, None, &[4])], None), &HashSet::new()),
+            0
         );
-        // the last transaction is not acked yet
-        assert_eq!(
-            confirmable(&b, &rows, &txn_of, &[5, 6, 3]),
-            (Some(Lsn(200)), 6, Some(2))
+        w.ack(&[4]);
+        assert_eq!(w.confirmable(), confirmable(None, 0, 0));
+        // its last part, with its end, and the next transaction
+        w.add(
+            part(
+                vec![tx(190, Some(200), &[5]), tx(290, Some(300), &[6])],
+                Some(300),
+            ),
+            &HashSet::new(),
         );
-        assert_eq!(confirmable(&b, &rows, &txn_of, &[]), (None, 0, Some(0)));
+        assert_eq!(w.transactions.len(), 2, "the parts are one transaction");
+        assert_eq!(seqs(&w), [5, 6]);
+        w.ack(&[5]);
+        assert_eq!(w.confirmable(), confirmable(Some(200), 5, 1));
+        w.ack(&[6]);
+        assert_eq!(w.confirmable(), confirmable(Some(300), 6, 2));
+    }
+
+    #[test]
+    fn a_last_part_without_events_ends_its_transaction() {
+        let mut w = Window::default();
+        let one = |t: Transaction| WalBatch {
+            transactions: vec![t],
+            caught_up_to: None,
+            messages: 0,
+        };
+        w.add(one(tx(190, None, &[2, 3])), &HashSet::new());
+        w.ack(&[2, 3]);
+        w.add(one(tx(190, Some(200), &[])), &HashSet::new());
+        assert_eq!(w.confirmable(), confirmable(Some(200), 3, 1));
     }
 
     #[test]
     fn parked_events_are_passed_over_in_their_transaction_only() {
         let b = batch();
-        let parked: HashSet<_> = [(b.transactions[0].rows[1].id, Lsn(100))].into();
-        let (rows, txn_of) = pending_rows(&b, &parked);
-        assert_eq!(rows.iter().map(|r| r.seq).collect::<Vec<_>>(), [5, 3, 7]);
-        assert_eq!(
-            confirmable(&b, &rows, &txn_of, &[5, 3, 7]).0,
-            Some(Lsn(400))
-        );
-        let elsewhere: HashSet<_> = [(b.transactions[0].rows[1].id, Lsn(200))].into();
-        assert_eq!(pending_rows(&b, &elsewhere).0.len(), 4);
-    }
-
-    /// The window as `send` fills it from `b`.
-    fn window(b: WalBatch) -> Window {
-        let (rows, txn_of) = pending_rows(&b, &HashSet::new());
-        Window {
-            caught_up_to: b.caught_up_to,
-            batch: b,
-            rows,
-            txn_of,
-            acked: 0,
-        }
-    }
-
-    #[test]
-    fn the_window_confirms_acks_in_order_as_confirmable_does() {
-        // acks in send order, one at a time: the same answers as the general function
-        for n in 0..=4 {
-            let mut w = window(batch());
-            let seqs = w.acked_seqs(&[]);
-            assert!(seqs.is_empty());
-            let in_order: Vec<i64> = w.rows[..n].iter().map(|r| r.seq).collect();
-            let mut b = w.batch.clone();
-            b.caught_up_to = w.caught_up_to;
-            let expected = confirmable(&b, &w.rows, &w.txn_of, &in_order);
-            assert_eq!(w.ack_in_order(n), expected, "{n} acks");
-        }
-    }
-
-    #[test]
-    fn the_window_drops_what_is_confirmed_and_keeps_the_rest_in_order() {
-        let mut w = window(batch());
-        // the first transaction, then part of the second read
-        assert_eq!(w.ack_in_order(3), (Some(Lsn(200)), 6, Some(2)));
-        w.drop_confirmed(2);
-        assert_eq!(w.rows.iter().map(|r| r.seq).collect::<Vec<_>>(), [7]);
-        assert_eq!((w.txn_of.as_slice(), w.acked), (&[0][..], 0));
-        assert_eq!(w.batch.transactions[0].end_lsn, Lsn(300));
-        // the failed row is found with its transaction's end, an acked one is not
-        assert_eq!(
-            w.unacked_row(7, &[]).map(|(r, lsn)| (r.seq, lsn)),
-            Some((7, Lsn(300)))
-        );
-        assert!(w.unacked_row(7, &[7]).is_none());
-        assert_eq!(w.acked_seqs(&[7]), [7]);
-        assert_eq!(w.ack_in_order(1), (Some(Lsn(400)), 7, None));
-        w.drop_confirmed(1);
-        assert!(w.rows.is_empty() && w.batch.transactions.is_empty() && w.acked == 0);
+        let parked: HashSet<_> = [(b.transactions[0].rows[1].id, Lsn(90))].into();
+        let mut w = Window::default();
+        w.add(b.clone(), &parked);
+        assert_eq!(seqs(&w), [5, 3, 7]);
+        w.ack(&[5, 3, 7]);
+        assert_eq!(w.confirmable(), confirmable(Some(400), 7, 3));
+        let elsewhere: HashSet<_> = [(b.transactions[0].rows[1].id, Lsn(190))].into();
+        let mut w = Window::default();
+        w.add(b, &elsewhere);
+        assert_eq!(w.rows.len(), 4);
     }
 
     #[test]
     fn a_transaction_whose_events_are_all_parked_is_confirmed_with_its_neighbours() {
         let b = batch();
-        let parked: HashSet<_> = [(b.transactions[1].rows[0].id, Lsn(200))].into();
-        let (rows, txn_of) = pending_rows(&b, &parked);
-        let mut w = Window {
-            caught_up_to: b.caught_up_to,
-            batch: b,
-            rows,
-            txn_of,
-            acked: 0,
-        };
-        // 5 and 6 acked: the parked-only transaction at 200 goes with the first
-        assert_eq!(w.ack_in_order(2), (Some(Lsn(200)), 6, Some(2)));
+        let parked: HashSet<_> = [(b.transactions[1].rows[0].id, Lsn(190))].into();
+        let mut w = Window::default();
+        w.add(b, &parked);
+        // 5 and 6 acked: the parked-only transaction at 190 goes with the first
+        w.ack(&[5, 6]);
+        assert_eq!(w.confirmable(), confirmable(Some(200), 6, 2));
+    }
+
+    #[test]
+    fn the_window_counts_the_payload_bytes_it_holds() {
+        let mut w = Window::default();
+        w.add(batch(), &HashSet::new());
+        assert_eq!(w.bytes, 4 * "{}".len());
+        w.ack(&[5, 6, 3]);
+        assert_eq!(w.bytes, "{}".len());
     }
 }

@@ -315,6 +315,18 @@ impl Proc {
         self.child.id() as i32
     }
 
+    /// Its peak resident memory so far (`VmHWM` of `/proc/<pid>/status`), in bytes; 0 once it
+    /// has exited.
+    pub fn peak_rss(&self) -> u64 {
+        let status =
+            std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap_or_default();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map_or(0, |kb| kb * 1024)
+    }
+
     pub fn signal(&self, sig: &str) {
         let _ = Command::new("kill")
             .arg(format!("-{sig}"))

@@ -125,6 +125,11 @@ pub fn commit_time(micros: i64) -> chrono::DateTime<chrono::Utc> {
 /// Converts a time in microseconds since PostgreSQL's epoch (2000-01-01 00:00:00 UTC), as the
 /// replication protocol sends them outside the pgoutput messages (the commit time of a
 /// streamed `Begin`), to a timestamp.
+///
+/// ```
+/// use outbox_diesel::wal::pgoutput::pg_time;
+/// assert_eq!(pg_time(1_000_000).to_rfc3339(), "2000-01-01T00:00:01+00:00");
+/// ```
 pub fn pg_time(micros: i64) -> chrono::DateTime<chrono::Utc> {
     commit_time(micros.saturating_add(PG_EPOCH_OFFSET_MICROS))
 }

@@ -157,9 +157,11 @@ struct RunArgs {
     /// Unacked publishes in flight at most.
     #[arg(long, env = "OUTBOX_MAX_IN_FLIGHT", default_value_t = 512)]
     max_in_flight: usize,
-    /// Payload bytes a batch holds at most (polling modes): a query stops taking rows once
-    /// their payloads reach it (one row is always taken). Bounds the relay's memory at about
-    /// three batches (two per unordered worker) for any payload size.
+    /// Payload bytes a batch holds at most. Polling modes: a query stops taking rows once
+    /// their payloads reach it (one row is always taken); the relay holds about three batches
+    /// (two per unordered worker). Log tailing: the events read and not acked stay within it,
+    /// a larger transaction published in parts. Bounds the relay's memory for any payload and
+    /// transaction size.
     #[arg(long, env = "OUTBOX_MAX_BATCH_BYTES", default_value_t = 8 << 20)]
     max_batch_bytes: usize,
     /// How often an idle relay polls (`250ms`, `5s`).
