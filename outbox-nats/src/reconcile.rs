@@ -242,6 +242,7 @@ impl Lookups {
                 self.found.insert(subject, Found { since, ids });
             }
         }
+        let looked_up = checked.len();
         let stored: HashSet<Uuid> = checked
             .into_iter()
             .filter(|(id, subject)| {
@@ -252,7 +253,7 @@ impl Lookups {
             .map(|(id, _)| id)
             .collect();
         tracing::debug!(
-            rows = rows.len(),
+            rows = looked_up,
             stored = stored.len(),
             horizon = ?self.horizon,
             "rows in doubt looked up in the stream"
