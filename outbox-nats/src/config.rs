@@ -144,6 +144,12 @@ pub struct RelayConfig {
     /// Move published rows into this table instead of deleting them (default `None`: delete).
     /// It needs the outbox's columns: `CREATE TABLE outbox_archive (LIKE outbox)`.
     pub archive_table: Option<OutboxTable>,
+    /// Whether publishes carry `Nats-Expected-Last-Subject-Sequence` in the ordered modes
+    /// (`ordered`, `log-tailing`; default on), so that JetStream refuses an event that would
+    /// land after a newer one of its subject: a relay resumed after a pause longer than the
+    /// duplicate window can neither duplicate nor reorder (see [`fence`](crate::fence)).
+    /// `unordered` never fences.
+    pub fence: bool,
 }
 
 /// The database URL is shown without its password.
@@ -181,6 +187,7 @@ impl std::fmt::Debug for RelayConfig {
             .field("cleanup_batch", &self.cleanup_batch)
             .field("delete_published", &self.delete_published)
             .field("archive_table", &self.archive_table)
+            .field("fence", &self.fence)
             .finish_non_exhaustive()
     }
 }
@@ -223,7 +230,14 @@ impl RelayConfig {
             cleanup_batch: 5000,
             delete_published: false,
             archive_table: None,
+            fence: true,
         }
+    }
+
+    /// Sets [`RelayConfig::fence`].
+    pub fn fence(mut self, on: bool) -> Self {
+        self.fence = on;
+        self
     }
 
     /// Sets [`RelayConfig::retention`].

@@ -5,7 +5,9 @@
 //! - [`publish`] is the publishing contract (subject, headers, body, stream);
 //! - [`subject`] the subject template and the token encoding;
 //! - [`reconcile`] how a row that may be in the stream already is looked up before it is sent
-//!   again.
+//!   again;
+//! - [`fence`] how the ordered modes have JetStream refuse an event that would land after a
+//!   newer one of its subject.
 //!
 //! ```no_run
 //! use outbox_nats::{NatsOptions, Relay, RelayConfig};
@@ -28,6 +30,7 @@ pub mod cli;
 mod config;
 mod connect;
 pub mod consumer;
+pub mod fence;
 mod lease;
 pub mod metrics;
 pub mod operations;

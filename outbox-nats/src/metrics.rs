@@ -6,6 +6,10 @@ pub const EVENTS_PUBLISHED: &str = "outbox_events_published_total";
 /// Counter: rows in doubt found in the stream before a re-publish, and marked (or, with log
 /// tailing, confirmed) instead of published again.
 pub const EVENTS_RECONCILED: &str = "outbox_events_reconciled_total";
+/// Counter (ordered modes): publishes JetStream refused because their subject held a newer
+/// message than the relay expected (the fence, see `outbox_nats::fence`); the rows are read
+/// again, never parked for it.
+pub const EVENTS_FENCED: &str = "outbox_events_fenced_total";
 /// Counter: acks that JetStream flagged as duplicates (already in the stream).
 pub const DUPLICATES: &str = "outbox_duplicates_total";
 /// Counter: failed publishes, by `kind`.
@@ -69,6 +73,7 @@ pub fn describe() {
     for name in [
         EVENTS_PUBLISHED,
         EVENTS_RECONCILED,
+        EVENTS_FENCED,
         DUPLICATES,
         ROWS_PARKED,
         CLEANUP_DELETED,
@@ -81,6 +86,11 @@ pub fn describe() {
         EVENTS_RECONCILED,
         Unit::Count,
         "Rows in doubt found in the stream and marked instead of published again"
+    );
+    describe_counter!(
+        EVENTS_FENCED,
+        Unit::Count,
+        "Publishes refused because their subject held a newer message than expected"
     );
     describe_counter!(
         DUPLICATES,

@@ -115,8 +115,9 @@ impl Ordered {
                     .await?;
                 if !owned.is_subset(&before) {
                     // a partition taken over: its last owner may have published past any
-                    // horizon read before
+                    // horizon read before, and past any sequence the fence knows
                     lookups.reset();
+                    holding.pipe.forget_sequences();
                 }
                 next_balance = Instant::now() + cfg.standby_interval;
             }

@@ -16,11 +16,12 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, warn};
 use uuid::Uuid;
 
-use crate::RelayConfig;
+use crate::fence::{FENCE_HEADER, Fence};
 use crate::lease::Lease;
 use crate::metrics as m;
 use crate::publish::to_message;
 use crate::relay::Health;
+use crate::{Mode, RelayConfig};
 
 /// How a batch ended.
 #[derive(Debug)]
@@ -31,6 +32,10 @@ pub(crate) enum BatchEnd {
     Transient,
     /// The lease may have lapsed: stop sending until the database confirms it.
     LeaseUnconfirmed,
+    /// JetStream refused a message because its subject holds a newer one than the relay
+    /// expected (see [`fence`](crate::fence)): no fault of the row. Stop, forget what was
+    /// known of the subjects, check the session and read the rows again.
+    Fenced,
     /// A row failed in a way that is about the row: count it, maybe park it.
     RowFailed {
         seq: i64,
@@ -66,6 +71,9 @@ struct Sent {
     attempts: i32,
     /// The row's aggregate; `None` for a row found in the stream, which was not sent.
     key: Option<(String, String)>,
+    /// The subject, when the message carried the fence's expected sequence (and no
+    /// expectation of the row's own that a refusal could be about).
+    fenced: Option<String>,
     created_at: chrono::DateTime<chrono::Utc>,
 }
 
@@ -94,6 +102,8 @@ pub(crate) struct Pipeline<'a> {
     keys: HashSet<(String, String)>,
     /// Rows the stream holds already (reconciled): settled in turn, not sent.
     stored: HashSet<Uuid>,
+    /// The last sequence of each subject, in the ordered modes with the fence on.
+    fence: Option<Fence>,
     acked: Vec<i64>,
     end: Option<BatchEnd>,
 }
@@ -106,6 +116,7 @@ impl<'a> Pipeline<'a> {
         health: &'a Health,
         shutdown: &'a CancellationToken,
     ) -> Self {
+        let fence = (cfg.fence && cfg.mode != Mode::Unordered).then(|| Fence::new(js.clone(), &cfg.stream));
         Pipeline {
             js,
             cfg,
@@ -116,6 +127,7 @@ impl<'a> Pipeline<'a> {
             sent: VecDeque::new(),
             keys: HashSet::new(),
             stored: HashSet::new(),
+            fence,
             acked: Vec::new(),
             end: None,
         }
@@ -124,12 +136,49 @@ impl<'a> Pipeline<'a> {
     /// Sends `rows` in order, stopping at the first that cannot be sent; `false` when it stopped.
     #[tracing::instrument(name = "outbox.publish", level = "debug", skip_all, fields(batch.len = rows.len()))]
     pub(crate) async fn send_all(&mut self, rows: &[OutboxRow]) -> bool {
+        self.look_up(rows).await;
         for row in rows {
             if !self.send(row).await {
                 return false;
             }
         }
         true
+    }
+
+    /// Looks up, a few at once, the last sequence of the subjects of `rows` that the fence
+    /// does not know and that no message in flight will tell (with the fence on): so that
+    /// sending waits for no look-up. A failure stops the pipeline.
+    pub(crate) async fn look_up<'r>(&mut self, rows: impl IntoIterator<Item = &'r OutboxRow>) {
+        let Some(fence) = &mut self.fence else {
+            return;
+        };
+        if self.end.is_some() {
+            return;
+        }
+        let mut subjects = HashSet::new();
+        for row in rows {
+            if self.stored.contains(&row.id)
+                || self
+                    .keys
+                    .contains(&(row.aggregate_type.clone(), row.aggregate_id.clone()))
+            {
+                continue;
+            }
+            let subject = self.cfg.subject_template.render(
+                &self.cfg.subject_prefix,
+                &row.aggregate_type,
+                &row.aggregate_id,
+                &row.event_type,
+            );
+            if fence.expected(&subject).is_none() {
+                subjects.insert(subject);
+            }
+        }
+        if let Err(e) = fence.look_up(subjects.into_iter().collect()).await {
+            metrics::counter!(m::PUBLISH_ERRORS, "kind" => "fence_lookup").increment(1);
+            warn!(error = %e, "the last sequences of the batch's subjects cannot be looked up; the batch stops here and is retried");
+            self.end = Some(BatchEnd::Transient);
+        }
     }
 
     /// Rows (by id) whose message the stream holds already: when their turn comes, they count
@@ -166,7 +215,7 @@ impl<'a> Pipeline<'a> {
             self.end = Some(BatchEnd::LeaseUnconfirmed);
             return false;
         }
-        let msg = match to_message(row, &self.cfg.subject_template, &self.cfg.subject_prefix) {
+        let mut msg = match to_message(row, &self.cfg.subject_template, &self.cfg.subject_prefix) {
             Ok(m) => m,
             Err(e) => {
                 metrics::counter!(m::PUBLISH_ERRORS, "kind" => "invalid_row").increment(1);
@@ -176,6 +225,15 @@ impl<'a> Pipeline<'a> {
                     error: e.to_string(),
                     park_now: true,
                 });
+                return false;
+            }
+        };
+        let fenced = match self.fence_message(&mut msg).await {
+            Ok(fenced) => fenced,
+            Err(e) => {
+                metrics::counter!(m::PUBLISH_ERRORS, "kind" => "fence_lookup").increment(1);
+                warn!(outbox.seq = row.seq, error = %e, "the last sequence of the row's subject cannot be looked up; the batch stops here and is retried");
+                self.end = Some(BatchEnd::Transient);
                 return false;
             }
         };
@@ -190,14 +248,46 @@ impl<'a> Pipeline<'a> {
                     attempts: row.attempts,
                     created_at: row.created_at,
                     key: Some(key.clone()),
+                    fenced,
                 });
                 self.keys.insert(key);
                 true
             }
             Err(e) => {
-                self.end = Some(classify(row.seq, row.attempts, &e, self.health));
+                self.forget_sequences();
+                self.end = Some(classify(row.seq, row.attempts, &e, fenced.is_some(), self.health));
                 false
             }
+        }
+    }
+
+    /// Sets the fence's expected sequence on `msg` (with the fence on), looking its subject up
+    /// when unknown. Returns the subject when a refusal of the message can only be the
+    /// fence's: the row's own headers carry no expectation of the stream's last sequence.
+    async fn fence_message(
+        &mut self,
+        msg: &mut crate::publish::OutboxMessage,
+    ) -> Result<Option<String>, async_nats::Error> {
+        let Some(fence) = &mut self.fence else {
+            return Ok(None);
+        };
+        let expected = match fence.expected(&msg.subject) {
+            Some(seq) => seq,
+            None => {
+                fence.look_up(vec![msg.subject.clone()]).await?;
+                fence.expected(&msg.subject).unwrap_or_default()
+            }
+        };
+        msg.headers
+            .insert(FENCE_HEADER, async_nats::HeaderValue::from(expected));
+        let own = msg.headers.get("Nats-Expected-Last-Sequence").is_some();
+        Ok((!own).then(|| msg.subject.clone()))
+    }
+
+    /// Forgets what the fence knew of the subjects: after a takeover, or a failed publish.
+    pub(crate) fn forget_sequences(&mut self) {
+        if let Some(fence) = &mut self.fence {
+            fence.forget();
         }
     }
 
@@ -212,6 +302,15 @@ impl<'a> Pipeline<'a> {
             return false;
         }
         self.stored.remove(&row.id);
+        if let Some(fence) = &mut self.fence {
+            // its message may be the subject's last: the next publish looks it up
+            fence.forget_subject(&self.cfg.subject_template.render(
+                &self.cfg.subject_prefix,
+                &row.aggregate_type,
+                &row.aggregate_id,
+                &row.event_type,
+            ));
+        }
         self.acks
             .push_back(Either::Right(std::future::ready(Ok(PublishAck::default()))));
         self.sent.push_back(Sent {
@@ -219,6 +318,7 @@ impl<'a> Pipeline<'a> {
             attempts: row.attempts,
             created_at: row.created_at,
             key: None,
+            fenced: None,
         });
         true
     }
@@ -264,9 +364,16 @@ impl<'a> Pipeline<'a> {
         std::mem::take(&mut self.acked)
     }
 
-    /// How the sending ended (`Done` when it did not stop), and lets it send again.
+    /// How the sending ended (`Done` when it did not stop), and lets it send again. After a
+    /// stop, the fence forgets what it knew: what was in flight may or may not be stored.
     pub(crate) fn take_end(&mut self) -> BatchEnd {
-        self.end.take().unwrap_or(BatchEnd::Done)
+        match self.end.take() {
+            Some(end) => {
+                self.forget_sequences();
+                end
+            }
+            None => BatchEnd::Done,
+        }
     }
 
     fn on_ack(&mut self, sent: Sent, result: Result<PublishAck, PublishError>) {
@@ -287,13 +394,28 @@ impl<'a> Pipeline<'a> {
                 if ack.duplicate {
                     metrics::counter!(m::DUPLICATES).increment(1);
                 }
+                if let (Some(fence), Some(subject)) = (&mut self.fence, sent.fenced) {
+                    if ack.duplicate {
+                        // the sequence of the first copy, which may not be the subject's last
+                        fence.forget_subject(&subject);
+                    } else {
+                        fence.set(subject, ack.sequence);
+                    }
+                }
                 let latency = (chrono::Utc::now() - sent.created_at)
                     .to_std()
                     .unwrap_or_default();
                 metrics::histogram!(m::COMMIT_TO_ACK).record(latency.as_secs_f64());
             }
             Err(e) => {
-                let failure = classify(sent.seq, sent.attempts, &e, self.health);
+                self.forget_sequences();
+                let failure = classify(
+                    sent.seq,
+                    sent.attempts,
+                    &e,
+                    sent.fenced.is_some(),
+                    self.health,
+                );
                 // the first failure is the one to report; a row failure outranks a lease stop
                 if matches!(self.end, None | Some(BatchEnd::LeaseUnconfirmed)) {
                     self.end = Some(failure);
@@ -303,10 +425,18 @@ impl<'a> Pipeline<'a> {
     }
 }
 
-/// Sorts a publish error into "about this row" (counted, parked after enough attempts), "about
-/// the stream" (JetStream refuses every message: retried after a backoff, never counted
-/// against a row, the relay not ready meanwhile) and "about NATS" (retried after a backoff).
-fn classify(seq: i64, attempts: i32, e: &PublishError, health: &Health) -> BatchEnd {
+/// Sorts a publish error into "the fence" (a newer message on the subject of a fenced
+/// publish: checked again, never counted against the row), "about this row" (counted, parked
+/// after enough attempts), "about the stream" (JetStream refuses every message: retried after
+/// a backoff, never counted against a row, the relay not ready meanwhile) and "about NATS"
+/// (retried after a backoff).
+fn classify(seq: i64, attempts: i32, e: &PublishError, fenced: bool, health: &Health) -> BatchEnd {
+    if fenced && matches!(e.kind(), PublishErrorKind::WrongLastSequence) {
+        metrics::counter!(m::PUBLISH_ERRORS, "kind" => "fenced").increment(1);
+        metrics::counter!(m::EVENTS_FENCED).increment(1);
+        warn!(outbox.seq = seq, error = %e, "JetStream refused the event: its subject holds a newer message than this relay expected (another relay published it, or the event was stored before); nothing is parked, the relay checks its lease and reads the rows again");
+        return BatchEnd::Fenced;
+    }
     let api_error = std::error::Error::source(e).and_then(|s| s.downcast_ref::<jetstream::Error>());
     let (kind, permanent) = match (e.kind(), api_error) {
         (PublishErrorKind::MaxPayloadExceeded, _) => ("max_payload", true),

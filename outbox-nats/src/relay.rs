@@ -551,6 +551,13 @@ pub(crate) async fn settle(
             Ok(true)
         }
         BatchEnd::LeaseUnconfirmed => Ok(true),
+        BatchEnd::Fenced => {
+            // a newer message on the subject: no fault of the row. The session answers, or
+            // this relay lost its work to another; the rows are read again (and looked up in
+            // the stream when old enough)
+            db::keep_alive(conn).await?;
+            Ok(true)
+        }
         BatchEnd::Transient => Ok(backoff.sleep(shutdown).await),
         BatchEnd::RowFailed {
             seq,

@@ -371,6 +371,13 @@ impl Tailing {
                 BatchEnd::Done => return Ok(false),
                 // the page again, once the session answered
                 BatchEnd::LeaseUnconfirmed => lease.renew_if_due(conn).await?,
+                // a newer message on a subject: the session answers (or the slot is lost to
+                // another reader), then the page again, its rows looked up
+                BatchEnd::Fenced => {
+                    let started = Instant::now();
+                    outbox_diesel::relay::keep_alive(conn).await?;
+                    lease.confirm(started);
+                }
                 BatchEnd::Transient => {
                     if !backoff.sleep(&self.shutdown).await {
                         return Ok(false);
@@ -526,6 +533,13 @@ impl Tailing {
             window = Window::default();
             match end {
                 BatchEnd::Done | BatchEnd::LeaseUnconfirmed => {}
+                // a newer message on a subject: the session answers (or the slot is lost to
+                // another reader), then the transactions again from the confirmed position
+                BatchEnd::Fenced => {
+                    let started = Instant::now();
+                    outbox_diesel::relay::keep_alive(conn).await?;
+                    lease.confirm(started);
+                }
                 BatchEnd::Transient => {
                     if !backoff.sleep(&self.shutdown).await {
                         break;
@@ -597,6 +611,8 @@ impl Tailing {
                 }
             }
         }
+        pipe.look_up(window.rows.range(first..).map(|(r, _)| r))
+            .await;
         for (row, _) in window.rows.range(first..) {
             if pipe.stopped() {
                 break;
