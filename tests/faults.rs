@@ -31,7 +31,7 @@ use outbox_diesel::{InboxExt, OutboxEvent, OutboxExt};
 use serde::Serialize;
 use support::checker::{self, DbEvent, Report, StreamMessage};
 use support::proxy::NatsProxy;
-use support::servers::{NatsServer, PgCluster};
+use support::servers::{NatsCluster, NatsServer, PgCluster};
 use support::slot::Slot;
 use support::{Proc, TestDb, TestStream, example_bin, relay_bin, relay_command, wait_until};
 
@@ -1213,6 +1213,208 @@ async fn long_nats_unreachable_10_times_with_acks_lost_duplicates_nothing_ordere
 #[ignore = "long: 200,000 events, 10 outages with acks lost"]
 async fn long_nats_unreachable_10_times_with_acks_lost_duplicates_nothing_log_tailing() {
     acks_lost_past_the_window("long_acks_lost_log_tailing", Mode::LogTailing, LONG, 10).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// 10. a relay paused past the duplicate window with publishes in its buffers, and the fence
+
+/// Two relays share four partitions (ordered, lease 3 s) on a stream with a 1 s duplicate
+/// window; relay A reaches NATS through a proxy. While a writer commits, the proxy holds what A
+/// sends (standing for the buffers of a process stopped between its lease check and the
+/// socket) and A is SIGSTOPped; B takes A's partitions over and publishes A's unacked rows and
+/// newer ones; longer than the window after that, A resumes and what it had sent reaches the
+/// server. Returns the checker's report and the publishes A had held.
+async fn paused_past_the_window(test: &str, fence: bool) -> (Report, usize) {
+    let _serial = SERIAL.lock().await;
+    let (db, stream, logs) = (fault_db(TestDb::new()), TestStream::new(), Logs::new(test));
+    let window = short_window_stream(&stream).await;
+    let proxy = NatsProxy::start(&stream.nats_url);
+    let mut rng = Rng::new(test);
+    let mut args = Mode::Ordered.relay_args();
+    args.extend(["--lease".to_string(), format!("{}s", LEASE.as_secs())]);
+    if !fence {
+        args.push("--no-fence".into());
+    }
+    let a = Relays::start_via(&db, &stream, &logs, args.clone(), 1, Some(proxy.url()));
+    let b = Relays::start(&db, &stream, &logs, args, 1);
+    let size = Size {
+        events: 3_000,
+        rate: 500,
+        faults: 1,
+    };
+    let mut w = steady_writer(&db, &logs, size);
+    wait_until(
+        Duration::from_secs(30),
+        "two relays sharing the four partitions",
+        || async { distinct_owners(&db) == (4, 2) },
+    )
+    .await;
+    next_fault(&db, Size { faults: 2, ..size }, 1, &mut rng).await;
+    proxy.hold();
+    // what A sends from now on stays in the proxy (the fault's length, not a synchronisation)
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let stopped = Instant::now();
+    a.procs[0].signal("STOP");
+    let last = db.scalar("SELECT COALESCE(max(seq), 0) FROM outbox_record");
+    wait_until(
+        HANDOVER_BOUND * 2,
+        "the paused relay's work taken over",
+        || async {
+            let left = db.scalar(&format!(
+                "SELECT count(*) FROM outbox WHERE seq <= {last} AND published_at IS NULL"
+            ));
+            left == 0 && distinct_owners(&db) == (4, 1)
+        },
+    )
+    .await;
+    // B has published A's unacked rows: A stays paused longer than the window after that
+    // (the fault itself, not a synchronisation)
+    tokio::time::sleep(window * 2).await;
+    let held = proxy.held_publishes();
+    proxy.up();
+    a.procs[0].signal("CONT");
+    eprintln!(
+        "{test}: relay A paused {:?} with {held} publishes in its buffers",
+        stopped.elapsed()
+    );
+    assert!(held > 0, "relay A sent nothing while held: the scenario did not happen");
+    wait_until(
+        Duration::from_secs(30),
+        "the resumed relay back in the balance",
+        || async { distinct_owners(&db) == (4, 2) },
+    )
+    .await;
+    let committed = finished(&mut w, size).await;
+    assert_eq!(committed, size.events);
+    drained(&db, None, size.timeout()).await;
+    drop((a, b));
+    (report(test, &db, &stream).await, held)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_paused_past_the_duplicate_window_while_a_newer_owner_publishes_is_fenced_ordered() {
+    let (r, _) = paused_past_the_window("paused_past_window_fenced", true).await;
+    Mode::Ordered.assert(&r);
+}
+
+/// The same scenario without the fence (`--no-fence`): what the paused relay had sent is
+/// stored a second time, after newer events of its aggregates. It shows that the scenario
+/// happens, and that the fence is what closes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_paused_past_the_duplicate_window_without_the_fence_duplicates_and_reorders() {
+    let (r, held) = paused_past_the_window("paused_past_window_unfenced", false).await;
+    assert!(
+        r.duplicates > 0 && r.duplicates <= held,
+        "the held publishes stored again: {r}"
+    );
+    assert!(r.order_violations > 0, "stored after newer events: {r}");
+}
+
+/// The relay (ordered, one partition, `args`) publishes an event of aggregate `a1`; another
+/// publisher then stores a message on `a1`'s subject, so that the sequence the relay expects
+/// there is stale; the relay's next event of `a1` is refused by JetStream, and must be
+/// published after all, once, neither counted as a failure of the row nor parked.
+async fn stale_expected_sequence(test: &str, stream: &TestStream, args: &[&str]) {
+    let db = TestDb::new();
+    let relay = support::Relay::start(relay_command(&db, stream, args));
+    let record = |account: &str, amount: i64| {
+        db.conn()
+            .transaction(|c| {
+                c.record_event(&Credited {
+                    account: account.into(),
+                    amount,
+                })
+            })
+            .expect("record");
+    };
+    let unpublished = || db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL");
+    record("a1", 1);
+    wait_until(Duration::from_secs(30), "the first event published", || async {
+        unpublished() == 0
+    })
+    .await;
+    let js = stream.js().await;
+    js.publish(format!("{}.account.a1", stream.prefix), "{}".into())
+        .await
+        .expect("publish")
+        .await
+        .expect("stored");
+    record("a1", 2);
+    record("a2", 3);
+    record("a1", 4);
+    wait_until(Duration::from_secs(30), "every event published", || async {
+        unpublished() == 0
+    })
+    .await;
+    let logs = relay.logs();
+    assert!(
+        logs.contains("JetStream refused the event"),
+        "the fence did not refuse the stale publish: {logs}"
+    );
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM outbox WHERE parked_at IS NOT NULL OR attempts > 0"),
+        0,
+        "a fenced row counted as failing: {logs}"
+    );
+    let ids: Vec<String> = {
+        let mut conn = db.conn();
+        diesel::sql_query("SELECT id::text AS id FROM outbox ORDER BY seq")
+            .load::<IdRow>(&mut conn)
+            .expect("ids")
+            .into_iter()
+            .map(|r| r.id)
+            .collect()
+    };
+    let messages = stream.read_all().await;
+    for id in &ids {
+        let n = messages.iter().filter(|m| &m.msg_id == id).count();
+        assert_eq!(n, 1, "event {id} stored {n} times");
+    }
+    assert_eq!(messages.len(), ids.len() + 1, "the relay's events and the other one");
+    // a1's events in their order, after the other publisher's message
+    let a1: Vec<i64> = messages
+        .iter()
+        .filter(|m| m.aggregate_id == "a1")
+        .map(|m| m.payload["amount"].as_i64().unwrap_or(-1))
+        .collect();
+    assert_eq!(a1, [1, 2, 4], "{test}: a1's events in order");
+    eprintln!("{test}: the stale publish was refused, read again and published once");
+}
+
+#[derive(QueryableByName)]
+struct IdRow {
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    id: String,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_with_a_stale_expected_sequence_is_refused_and_the_row_neither_parked_nor_lost() {
+    let stream = TestStream::new();
+    stale_expected_sequence("stale_expected_sequence", &stream, &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fence_refuses_a_stale_publish_on_a_replicated_stream() {
+    let cluster = NatsCluster::start();
+    let stream = TestStream::on(&cluster.urls());
+    stale_expected_sequence(
+        "stale_expected_sequence_r3",
+        &stream,
+        &["--stream-replicas", "3"],
+    )
+    .await;
+    let info = stream
+        .js()
+        .await
+        .get_stream(&stream.name)
+        .await
+        .expect("the stream")
+        .info()
+        .await
+        .expect("its info")
+        .config
+        .num_replicas;
+    assert_eq!(info, 3, "the stream is replicated");
 }
 
 // ---------------------------------------------------------------------------------------------

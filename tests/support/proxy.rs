@@ -3,7 +3,10 @@
 //!
 //! States: passing both ways; deaf ([`NatsProxy::lose_replies`]: the client's bytes reach
 //! the server, the server's are dropped, so acks are lost while messages are stored); down
-//! ([`NatsProxy::down`]: every connection is cut and new ones are closed at once).
+//! ([`NatsProxy::down`]: every connection is cut and new ones are closed at once); holding
+//! ([`NatsProxy::hold`]: the client's bytes are kept, not forwarded, until
+//! [`NatsProxy::up`] lets them through: what a process paused with publishes in its buffers
+//! sends when it resumes).
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -14,6 +17,7 @@ use std::time::Duration;
 const PASS: u8 = 0;
 const DEAF: u8 = 1;
 const DOWN: u8 = 2;
+const HOLD: u8 = 3;
 
 /// The proxy; its threads stop on `Drop`.
 pub struct NatsProxy {
@@ -21,6 +25,8 @@ pub struct NatsProxy {
     state: Arc<AtomicU8>,
     stop: Arc<AtomicBool>,
     conns: Arc<Mutex<Vec<TcpStream>>>,
+    /// The client's bytes kept while holding, every connection's.
+    held: Arc<Mutex<Vec<u8>>>,
 }
 
 impl NatsProxy {
@@ -41,8 +47,10 @@ impl NatsProxy {
             state: Arc::new(AtomicU8::new(PASS)),
             stop: Arc::new(AtomicBool::new(false)),
             conns: Arc::default(),
+            held: Arc::default(),
         };
         let (state, stop, conns) = (proxy.state.clone(), proxy.stop.clone(), proxy.conns.clone());
+        let held = proxy.held.clone();
         std::thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) {
                 let client = match listener.accept() {
@@ -71,10 +79,10 @@ impl NatsProxy {
                     (Ok(c), Ok(s)) => (c, s),
                     _ => continue,
                 };
-                let st = state.clone();
-                std::thread::spawn(move || pump(client, server, st, false));
-                let st = state.clone();
-                std::thread::spawn(move || pump(s2, c2, st, true));
+                let (st, h) = (state.clone(), held.clone());
+                std::thread::spawn(move || pump(client, server, st, false, h));
+                let (st, h) = (state.clone(), held.clone());
+                std::thread::spawn(move || pump(s2, c2, st, true, h));
             }
         });
         proxy
@@ -103,7 +111,18 @@ impl NatsProxy {
         }
     }
 
-    /// Passes both ways again.
+    /// From now on the client's bytes are kept, not forwarded, until [`NatsProxy::up`].
+    pub fn hold(&self) {
+        self.state.store(HOLD, Ordering::Relaxed);
+    }
+
+    /// The JetStream publishes (`HPUB` lines: the relay's messages carry headers) held so far.
+    pub fn held_publishes(&self) -> usize {
+        let held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        held.windows(5).filter(|w| w == b"HPUB ").count()
+    }
+
+    /// Passes both ways again; what was held goes through first.
     pub fn up(&self) {
         self.state.store(PASS, Ordering::Relaxed);
     }
@@ -116,20 +135,47 @@ impl Drop for NatsProxy {
     }
 }
 
-/// Copies `from` to `to` until either closes; `from_server` bytes are dropped while deaf.
-fn pump(mut from: TcpStream, mut to: TcpStream, state: Arc<AtomicU8>, from_server: bool) {
+/// Copies `from` to `to` until either closes; `from_server` bytes are dropped while deaf, the
+/// client's kept in `held` while holding (one connection's held bytes are let through in
+/// order; the test holds one relay's single connection).
+fn pump(
+    mut from: TcpStream,
+    mut to: TcpStream,
+    state: Arc<AtomicU8>,
+    from_server: bool,
+    held: Arc<Mutex<Vec<u8>>>,
+) {
     let mut buf = [0u8; 16 * 1024];
+    if !from_server {
+        // wake up now and then to let held bytes through once the proxy passes again
+        let _ = from.set_read_timeout(Some(Duration::from_millis(20)));
+    }
     loop {
         let n = match from.read(&mut buf) {
-            Ok(0) | Err(_) => break,
+            Ok(0) => break,
             Ok(n) => n,
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => 0,
+            Err(_) => break,
         };
-        match state.load(Ordering::Relaxed) {
+        let now = state.load(Ordering::Relaxed);
+        match now {
             DOWN => break,
             DEAF if from_server => continue,
+            HOLD if !from_server => {
+                held.lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .extend_from_slice(&buf[..n]);
+                continue;
+            }
             _ => {}
         }
-        if to.write_all(&buf[..n]).is_err() {
+        if !from_server {
+            let kept = std::mem::take(&mut *held.lock().unwrap_or_else(|e| e.into_inner()));
+            if !kept.is_empty() && to.write_all(&kept).is_err() {
+                break;
+            }
+        }
+        if n > 0 && to.write_all(&buf[..n]).is_err() {
             break;
         }
     }
