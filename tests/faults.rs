@@ -1298,16 +1298,16 @@ async fn relay_paused_past_the_duplicate_window_while_a_newer_owner_publishes_is
 }
 
 /// The same scenario without the fence (`--no-fence`): what the paused relay had sent is
-/// stored a second time, after newer events of its aggregates. It shows that the scenario
-/// happens, and that the fence is what closes it.
+/// stored a second time, after newer events of its aggregates (the checker counts a second
+/// copy as a duplicate only, not also as a reordering). It shows that the scenario happens,
+/// and that the fence is what closes it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn relay_paused_past_the_duplicate_window_without_the_fence_duplicates_and_reorders() {
+async fn relay_paused_past_the_duplicate_window_without_the_fence_stores_duplicates() {
     let (r, held) = paused_past_the_window("paused_past_window_unfenced", false).await;
     assert!(
         r.duplicates > 0 && r.duplicates <= held,
         "the held publishes stored again: {r}"
     );
-    assert!(r.order_violations > 0, "stored after newer events: {r}");
 }
 
 /// The relay (ordered, one partition, `args`) publishes an event of aggregate `a1`; another
