@@ -1277,7 +1277,10 @@ async fn paused_past_the_window(test: &str, fence: bool) -> (Report, usize) {
         "{test}: relay A paused {:?} with {held} publishes in its buffers",
         stopped.elapsed()
     );
-    assert!(held > 0, "relay A sent nothing while held: the scenario did not happen");
+    assert!(
+        held > 0,
+        "relay A sent nothing while held: the scenario did not happen"
+    );
     wait_until(
         Duration::from_secs(30),
         "the resumed relay back in the balance",
@@ -1329,9 +1332,11 @@ async fn stale_expected_sequence(test: &str, stream: &TestStream, args: &[&str])
     };
     let unpublished = || db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL");
     record("a1", 1);
-    wait_until(Duration::from_secs(30), "the first event published", || async {
-        unpublished() == 0
-    })
+    wait_until(
+        Duration::from_secs(30),
+        "the first event published",
+        || async { unpublished() == 0 },
+    )
     .await;
     let js = stream.js().await;
     js.publish(format!("{}.account.a1", stream.prefix), "{}".into())
@@ -1370,7 +1375,11 @@ async fn stale_expected_sequence(test: &str, stream: &TestStream, args: &[&str])
         let n = messages.iter().filter(|m| &m.msg_id == id).count();
         assert_eq!(n, 1, "event {id} stored {n} times");
     }
-    assert_eq!(messages.len(), ids.len() + 1, "the relay's events and the other one");
+    assert_eq!(
+        messages.len(),
+        ids.len() + 1,
+        "the relay's events and the other one"
+    );
     // a1's events in their order, after the other publisher's message
     let a1: Vec<i64> = messages
         .iter()

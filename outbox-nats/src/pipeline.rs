@@ -71,9 +71,11 @@ struct Sent {
     attempts: i32,
     /// The row's aggregate; `None` for a row found in the stream, which was not sent.
     key: Option<(String, String)>,
-    /// The subject, when the message carried the fence's expected sequence (and no
-    /// expectation of the row's own that a refusal could be about).
+    /// The subject, when the message carried the fence's expected sequence.
     fenced: Option<String>,
+    /// Whether a refusal for a wrong last sequence can only be the fence's: the row's own
+    /// headers carry no `Nats-Expected-Last-Sequence`.
+    fence_only: bool,
     created_at: chrono::DateTime<chrono::Utc>,
 }
 
@@ -116,7 +118,8 @@ impl<'a> Pipeline<'a> {
         health: &'a Health,
         shutdown: &'a CancellationToken,
     ) -> Self {
-        let fence = (cfg.fence && cfg.mode != Mode::Unordered).then(|| Fence::new(js.clone(), &cfg.stream));
+        let fence =
+            (cfg.fence && cfg.mode != Mode::Unordered).then(|| Fence::new(js.clone(), &cfg.stream));
         Pipeline {
             js,
             cfg,
@@ -228,6 +231,7 @@ impl<'a> Pipeline<'a> {
                 return false;
             }
         };
+        let own_expectation = msg.headers.get("Nats-Expected-Last-Sequence").is_some();
         let fenced = match self.fence_message(&mut msg).await {
             Ok(fenced) => fenced,
             Err(e) => {
@@ -248,6 +252,7 @@ impl<'a> Pipeline<'a> {
                     attempts: row.attempts,
                     created_at: row.created_at,
                     key: Some(key.clone()),
+                    fence_only: fenced.is_some() && !own_expectation,
                     fenced,
                 });
                 self.keys.insert(key);
@@ -255,15 +260,16 @@ impl<'a> Pipeline<'a> {
             }
             Err(e) => {
                 self.forget_sequences();
-                self.end = Some(classify(row.seq, row.attempts, &e, fenced.is_some(), self.health));
+                let fence_only = fenced.is_some() && !own_expectation;
+                self.end = Some(classify(row.seq, row.attempts, &e, fence_only, self.health));
                 false
             }
         }
     }
 
-    /// Sets the fence's expected sequence on `msg` (with the fence on), looking its subject up
-    /// when unknown. Returns the subject when a refusal of the message can only be the
-    /// fence's: the row's own headers carry no expectation of the stream's last sequence.
+    /// Sets the fence's expected sequence on `msg` (with the fence on; it replaces a header of
+    /// that name among the row's own), looking its subject up when unknown. Returns the
+    /// subject when it did.
     async fn fence_message(
         &mut self,
         msg: &mut crate::publish::OutboxMessage,
@@ -280,8 +286,7 @@ impl<'a> Pipeline<'a> {
         };
         msg.headers
             .insert(FENCE_HEADER, async_nats::HeaderValue::from(expected));
-        let own = msg.headers.get("Nats-Expected-Last-Sequence").is_some();
-        Ok((!own).then(|| msg.subject.clone()))
+        Ok(Some(msg.subject.clone()))
     }
 
     /// Forgets what the fence knew of the subjects: after a takeover, or a failed publish.
@@ -319,6 +324,7 @@ impl<'a> Pipeline<'a> {
             created_at: row.created_at,
             key: None,
             fenced: None,
+            fence_only: false,
         });
         true
     }
@@ -409,13 +415,7 @@ impl<'a> Pipeline<'a> {
             }
             Err(e) => {
                 self.forget_sequences();
-                let failure = classify(
-                    sent.seq,
-                    sent.attempts,
-                    &e,
-                    sent.fenced.is_some(),
-                    self.health,
-                );
+                let failure = classify(sent.seq, sent.attempts, &e, sent.fence_only, self.health);
                 // the first failure is the one to report; a row failure outranks a lease stop
                 if matches!(self.end, None | Some(BatchEnd::LeaseUnconfirmed)) {
                     self.end = Some(failure);
@@ -430,8 +430,14 @@ impl<'a> Pipeline<'a> {
 /// after enough attempts), "about the stream" (JetStream refuses every message: retried after
 /// a backoff, never counted against a row, the relay not ready meanwhile) and "about NATS"
 /// (retried after a backoff).
-fn classify(seq: i64, attempts: i32, e: &PublishError, fenced: bool, health: &Health) -> BatchEnd {
-    if fenced && matches!(e.kind(), PublishErrorKind::WrongLastSequence) {
+fn classify(
+    seq: i64,
+    attempts: i32,
+    e: &PublishError,
+    fence_only: bool,
+    health: &Health,
+) -> BatchEnd {
+    if fence_only && matches!(e.kind(), PublishErrorKind::WrongLastSequence) {
         metrics::counter!(m::PUBLISH_ERRORS, "kind" => "fenced").increment(1);
         metrics::counter!(m::EVENTS_FENCED).increment(1);
         warn!(outbox.seq = seq, error = %e, "JetStream refused the event: its subject holds a newer message than this relay expected (another relay published it, or the event was stored before); nothing is parked, the relay checks its lease and reads the rows again");

@@ -154,7 +154,14 @@ fn pump(
         let n = match from.read(&mut buf) {
             Ok(0) => break,
             Ok(n) => n,
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => 0,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                0
+            }
             Err(_) => break,
         };
         let now = state.load(Ordering::Relaxed);
