@@ -123,3 +123,33 @@ impl Fence {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn the_fence_keeps_a_bounded_number_of_subjects_and_forgets_on_demand() {
+        // a client that never connects: the fence makes no request here
+        let client = async_nats::ConnectOptions::new()
+            .retry_on_initial_connect()
+            .connect("127.0.0.1:1")
+            .await
+            .expect("a client");
+        let mut fence = Fence::new(jetstream::new(client), "S");
+        fence.set("a".into(), 7);
+        assert_eq!(fence.expected("a"), Some(7));
+        fence.forget_subject("a");
+        assert_eq!(fence.expected("a"), None);
+        for i in 0..MAX_KEPT_SUBJECTS {
+            fence.set(i.to_string(), i as u64);
+        }
+        assert_eq!(fence.last.len(), MAX_KEPT_SUBJECTS);
+        fence.set("one more".into(), 1);
+        assert_eq!(fence.last.len(), 1, "past the bound it starts again");
+        fence.forget();
+        assert_eq!(fence.expected("one more"), None);
+        // nothing to look up: no request
+        fence.look_up(Vec::new()).await.expect("no look-up");
+    }
+}

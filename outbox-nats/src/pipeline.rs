@@ -500,6 +500,29 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_fenced_refusal_is_no_row_fault_and_other_wrong_sequences_still_are() {
+        let health = Health::default();
+        let wrong = PublishError::new(PublishErrorKind::WrongLastSequence);
+        assert!(matches!(
+            classify(1, 0, &wrong, true, &health),
+            BatchEnd::Fenced
+        ));
+        // the row's own Nats-Expected-Last-Sequence (or no fence): the row's fault, as before
+        assert!(matches!(
+            classify(1, 0, &wrong, false, &health),
+            BatchEnd::RowFailed {
+                park_now: false,
+                ..
+            }
+        ));
+        let timeout = PublishError::new(PublishErrorKind::TimedOut);
+        assert!(matches!(
+            classify(1, 0, &timeout, true, &health),
+            BatchEnd::Transient
+        ));
+    }
+
+    #[test]
     fn stream_limits_are_not_row_faults_and_message_faults_are() {
         use jetstream::ErrorCode;
         for stream_wide in [
