@@ -1232,8 +1232,8 @@ async fn paused_past_the_window(test: &str, fence: bool) -> (Report, usize) {
     let mut rng = Rng::new(test);
     let mut args = Mode::Ordered.relay_args();
     args.extend(["--lease".to_string(), format!("{}s", LEASE.as_secs())]);
-    if !fence {
-        args.push("--no-fence".into());
+    if fence {
+        args.push("--fence".into());
     }
     let a = Relays::start_via(&db, &stream, &logs, args.clone(), 1, Some(proxy.url()));
     let b = Relays::start(&db, &stream, &logs, args, 1);
@@ -1300,7 +1300,7 @@ async fn relay_paused_past_the_duplicate_window_while_a_newer_owner_publishes_is
     Mode::Ordered.assert(&r);
 }
 
-/// The same scenario without the fence (`--no-fence`): what the paused relay had sent is
+/// The same scenario without the fence (the default): what the paused relay had sent is
 /// stored a second time, after newer events of its aggregates (the checker counts a second
 /// copy as a duplicate only, not also as a reordering). It shows that the scenario happens,
 /// and that the fence is what closes it.
@@ -1313,7 +1313,7 @@ async fn relay_paused_past_the_duplicate_window_without_the_fence_stores_duplica
     );
 }
 
-/// The relay (ordered, one partition, `args`) publishes an event of aggregate `a1`; another
+/// The relay (ordered, one partition, `args` with `--fence`) publishes an event of aggregate `a1`; another
 /// publisher then stores a message on `a1`'s subject, so that the sequence the relay expects
 /// there is stale; the relay's next event of `a1` is refused by JetStream, and must be
 /// published after all, once, neither counted as a failure of the row nor parked.
@@ -1399,7 +1399,7 @@ struct IdRow {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publish_with_a_stale_expected_sequence_is_refused_and_the_row_neither_parked_nor_lost() {
     let stream = TestStream::new();
-    stale_expected_sequence("stale_expected_sequence", &stream, &[]).await;
+    stale_expected_sequence("stale_expected_sequence", &stream, &["--fence"]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1409,7 +1409,7 @@ async fn the_fence_refuses_a_stale_publish_on_a_replicated_stream() {
     stale_expected_sequence(
         "stale_expected_sequence_r3",
         &stream,
-        &["--stream-replicas", "3"],
+        &["--fence", "--stream-replicas", "3"],
     )
     .await;
     let info = stream

@@ -145,10 +145,11 @@ pub struct RelayConfig {
     /// It needs the outbox's columns: `CREATE TABLE outbox_archive (LIKE outbox)`.
     pub archive_table: Option<OutboxTable>,
     /// Whether publishes carry `Nats-Expected-Last-Subject-Sequence` in the ordered modes
-    /// (`ordered`, `log-tailing`; default on), so that JetStream refuses an event that would
+    /// (`ordered`, `log-tailing`; default off), so that JetStream refuses an event that would
     /// land after a newer one of its subject: a relay resumed after a pause longer than the
-    /// duplicate window can neither duplicate nor reorder (see [`fence`](crate::fence)).
-    /// `unordered` never fences.
+    /// duplicate window can neither duplicate nor reorder (see [`fence`](crate::fence)). It
+    /// costs throughput (about 6 % with a thousand aggregates, about half with a new subject
+    /// per row: BENCHMARKS.md, section 7), hence off by default. `unordered` never fences.
     pub fence: bool,
 }
 
@@ -230,7 +231,7 @@ impl RelayConfig {
             cleanup_batch: 5000,
             delete_published: false,
             archive_table: None,
-            fence: true,
+            fence: false,
         }
     }
 

@@ -1,5 +1,5 @@
-//! Fencing at the broker: in the ordered modes (`ordered`, `log-tailing`) every publish
-//! carries `Nats-Expected-Last-Subject-Sequence`, the stream sequence of the last message on
+//! Fencing at the broker ([`RelayConfig::fence`](crate::RelayConfig::fence), `--fence`): in the
+//! ordered modes (`ordered`, `log-tailing`) every publish carries `Nats-Expected-Last-Subject-Sequence`, the stream sequence of the last message on
 //! its subject as the relay knows it, so that JetStream itself refuses a message that would
 //! land after a newer one of its subject.
 //!

@@ -170,11 +170,12 @@ struct RunArgs {
     /// Do not LISTEN for the recording side's NOTIFY; poll only.
     #[arg(long, env = "OUTBOX_NO_LISTEN")]
     no_listen: bool,
-    /// Publish without `Nats-Expected-Last-Subject-Sequence` (ordered and log-tailing modes):
-    /// JetStream then no longer refuses an event that a relay resumed after a pause longer
-    /// than the duplicate window would store after newer ones of its aggregate.
-    #[arg(long, env = "OUTBOX_NO_FENCE")]
-    no_fence: bool,
+    /// Publish with `Nats-Expected-Last-Subject-Sequence` (ordered and log-tailing modes), so
+    /// that JetStream refuses an event that a relay resumed after a pause longer than the
+    /// duplicate window would store again after newer ones of its aggregate. Costs throughput
+    /// (a look-up per subject new to the relay); see BENCHMARKS.md, section 7.
+    #[arg(long, env = "OUTBOX_FENCE")]
+    fence: bool,
     /// Duplicate window of a stream the relay creates (`2m`).
     #[arg(long, env = "OUTBOX_DUPLICATE_WINDOW", default_value = "2m", value_parser = humantime::parse_duration)]
     duplicate_window: Duration,
@@ -319,7 +320,7 @@ async fn run(args: RunArgs) -> ExitCode {
         .duplicate_window(args.duplicate_window)
         .stream_replicas(args.stream_replicas)
         .listen(!args.no_listen)
-        .fence(!args.no_fence)
+        .fence(args.fence)
         .startup_timeout(args.startup_timeout);
     config.mode = args.mode;
     config.slot = args.log_tailing.slot.clone();
