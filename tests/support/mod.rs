@@ -362,7 +362,8 @@ impl Drop for Proc {
     }
 }
 
-/// `outbox-relay run` against `db` and `stream`, with fast test timings and extra `args`.
+/// `outbox-relay run` against `db` and `stream`, with fast test timings and extra `args`
+/// (and `--fence` when `OUTBOX_TEST_FENCE` is set).
 pub fn relay_command(db: &TestDb, stream: &TestStream, args: &[&str]) -> Command {
     let mut cmd = Command::new(relay_bin());
     cmd.arg("run")
@@ -377,6 +378,10 @@ pub fn relay_command(db: &TestDb, stream: &TestStream, args: &[&str]) -> Command
         .args(["--stream", &stream.name, "--subject-prefix", &stream.prefix])
         .args(["--poll-interval", "50ms", "--startup-timeout", "20s"])
         .args(args);
+    if std::env::var_os("OUTBOX_TEST_FENCE").is_some() {
+        // the whole suite with the fence on
+        cmd.env("OUTBOX_FENCE", "true");
+    }
     cmd
 }
 
