@@ -16,9 +16,9 @@
 //!
 //! # Where the expected sequence comes from
 //!
-//! A subject is the aggregate's own (the template holds `{aggregate_id}`), and the pipeline
-//! never has two unacked messages of one aggregate in flight, so the ack of the last publish
-//! on a subject gives its sequence ([`PublishAck::sequence`](async_nats::jetstream::publish::PublishAck)).
+//! A subject is the aggregate's own (the template holds `{aggregate_id}`), and with the fence
+//! the pipeline never has two unacked messages of one subject in flight (nor of one
+//! aggregate, fenced or not), so the ack of the last publish on a subject gives its sequence ([`PublishAck::sequence`](async_nats::jetstream::publish::PublishAck)).
 //! A subject this relay has not published since it took the work over (or since a failure)
 //! is looked up: the last message of the subject (`STREAM.MSG.GET`, answered by the stream's
 //! leader; none: 0). [`Fence`] keeps what it knows, at most [`MAX_KEPT_SUBJECTS`] subjects,

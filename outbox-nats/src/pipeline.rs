@@ -91,7 +91,8 @@ type AckFuture = Either<
 ///
 /// JetStream stores one connection's pipeline in send order, but a failed publish leaves a
 /// hole that its retry fills after the later messages: so a row is sent only when no earlier
-/// row of its aggregate waits for its ack, and nothing is sent after a failure (or once the
+/// row of its aggregate waits for its ack (with the fence, no earlier message of its subject
+/// either), and nothing is sent after a failure (or once the
 /// lease is in doubt, or at shutdown) until [`Pipeline::take_end`] resets it.
 pub(crate) struct Pipeline<'a> {
     js: &'a jetstream::Context,
@@ -102,6 +103,10 @@ pub(crate) struct Pipeline<'a> {
     acks: FuturesOrdered<AckFuture>,
     sent: VecDeque<Sent>,
     keys: HashSet<(String, String)>,
+    /// The subjects of the fenced messages in flight: two aggregates may share a subject (a
+    /// template without `{aggregate_type}`), and the fence allows one unacked message per
+    /// subject.
+    subjects: HashSet<String>,
     /// Rows the stream holds already (reconciled): settled in turn, not sent.
     stored: HashSet<Uuid>,
     /// The last sequence of each subject, in the ordered modes with the fence on.
@@ -129,6 +134,7 @@ impl<'a> Pipeline<'a> {
             acks: FuturesOrdered::new(),
             sent: VecDeque::new(),
             keys: HashSet::new(),
+            subjects: HashSet::new(),
             stored: HashSet::new(),
             fence,
             acked: Vec::new(),
@@ -160,11 +166,7 @@ impl<'a> Pipeline<'a> {
         }
         let mut subjects = HashSet::new();
         for row in rows {
-            if self.stored.contains(&row.id)
-                || self
-                    .keys
-                    .contains(&(row.aggregate_type.clone(), row.aggregate_id.clone()))
-            {
+            if self.stored.contains(&row.id) {
                 continue;
             }
             let subject = self.cfg.subject_template.render(
@@ -173,7 +175,8 @@ impl<'a> Pipeline<'a> {
                 &row.aggregate_id,
                 &row.event_type,
             );
-            if fence.expected(&subject).is_none() {
+            // a subject in flight learns its sequence from the ack
+            if fence.expected(&subject).is_none() && !self.subjects.contains(&subject) {
                 subjects.insert(subject);
             }
         }
@@ -204,9 +207,19 @@ impl<'a> Pipeline<'a> {
             return self.settle_stored(row);
         }
         let key = (row.aggregate_type.clone(), row.aggregate_id.clone());
+        let subject = self.fence.is_some().then(|| {
+            self.cfg.subject_template.render(
+                &self.cfg.subject_prefix,
+                &row.aggregate_type,
+                &row.aggregate_id,
+                &row.event_type,
+            )
+        });
         while self.end.is_none()
             && !self.acks.is_empty()
-            && (self.keys.contains(&key) || self.acks.len() >= self.cfg.max_in_flight)
+            && (self.keys.contains(&key)
+                || subject.as_ref().is_some_and(|s| self.subjects.contains(s))
+                || self.acks.len() >= self.cfg.max_in_flight)
         {
             self.next_ack().await;
         }
@@ -253,9 +266,12 @@ impl<'a> Pipeline<'a> {
                     created_at: row.created_at,
                     key: Some(key.clone()),
                     fence_only: fenced.is_some() && !own_expectation,
-                    fenced,
+                    fenced: fenced.clone(),
                 });
                 self.keys.insert(key);
+                if let Some(subject) = fenced {
+                    self.subjects.insert(subject);
+                }
                 true
             }
             Err(e) => {
@@ -391,6 +407,9 @@ impl<'a> Pipeline<'a> {
             return;
         };
         self.keys.remove(key);
+        if let Some(subject) = &sent.fenced {
+            self.subjects.remove(subject);
+        }
         match result {
             Ok(ack) => {
                 self.health.progressed();
