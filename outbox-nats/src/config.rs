@@ -148,8 +148,8 @@ pub struct RelayConfig {
     /// (`ordered`, `log-tailing`; default off), so that JetStream refuses an event that would
     /// land after a newer one of its subject: a relay resumed after a pause longer than the
     /// duplicate window can neither duplicate nor reorder (see [`fence`](crate::fence)). It
-    /// costs throughput (about 6 % with a thousand aggregates, about half with a new subject
-    /// per row: BENCHMARKS.md, section 7), hence off by default. `unordered` never fences.
+    /// costs throughput (7–12 % with a thousand aggregates, about half with a new subject per
+    /// row: BENCHMARKS.md, section 7), hence off by default. `unordered` never fences.
     pub fence: bool,
 }
 
