@@ -1,4 +1,4 @@
-//! Fencing at the broker ([`RelayConfig::fence`](crate::RelayConfig::fence), `--fence`): in the
+//! Fencing at the broker ([`RelayConfig::fence`](field@crate::RelayConfig::fence), `--fence`): in the
 //! ordered modes (`ordered`, `log-tailing`) every publish carries `Nats-Expected-Last-Subject-Sequence`, the stream sequence of the last message on
 //! its subject as the relay knows it, so that JetStream itself refuses a message that would
 //! land after a newer one of its subject.
@@ -21,8 +21,8 @@
 //! aggregate, fenced or not), so the ack of the last publish on a subject gives its sequence ([`PublishAck::sequence`](async_nats::jetstream::publish::PublishAck)).
 //! A subject this relay has not published since it took the work over (or since a failure)
 //! is looked up: the last message of the subject (`STREAM.MSG.GET`, answered by the stream's
-//! leader; none: 0). [`Fence`] keeps what it knows, at most [`MAX_KEPT_SUBJECTS`] subjects,
-//! and forgets everything when the relay takes work over or a publish fails.
+//! leader; none: 0, see [`last_sequence`]). The relay keeps what it knows, at most
+//! [`MAX_KEPT_SUBJECTS`] subjects, and forgets everything when the relay takes work over or a publish fails.
 //!
 //! # A refusal
 //!
@@ -42,7 +42,7 @@ use futures_util::StreamExt;
 /// The header that carries the expected last sequence of the message's subject.
 pub const FENCE_HEADER: &str = "Nats-Expected-Last-Subject-Sequence";
 
-/// The most subjects whose last sequence a [`Fence`] keeps; past it, it forgets them all.
+/// The most subjects whose last sequence a relay task keeps; past it, it forgets them all.
 pub const MAX_KEPT_SUBJECTS: usize = 100_000;
 
 /// Subjects looked up at once.
