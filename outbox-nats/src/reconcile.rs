@@ -197,6 +197,7 @@ impl Lookups {
         if checked.is_empty() {
             return Ok(HashSet::new());
         }
+        let looked_up = checked.len();
         if !since_of.is_empty() {
             let stream =
                 r.js.get_stream_no_info(&r.stream)
@@ -252,7 +253,7 @@ impl Lookups {
             .map(|(id, _)| id)
             .collect();
         tracing::debug!(
-            rows = rows.len(),
+            rows = looked_up,
             stored = stored.len(),
             horizon = ?self.horizon,
             "rows in doubt looked up in the stream"
