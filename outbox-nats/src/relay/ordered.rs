@@ -33,12 +33,12 @@ use outbox_diesel::relay::{self as db, OutboxRow, Partition};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
+use super::{Backoff, Health, Session, SessionEnd, idle, reconnecting, retire, settle};
 use crate::RelayConfig;
 use crate::lease::Lease;
 use crate::metrics as m;
-use crate::pipeline::Pipeline;
-use crate::reconcile::Reconciler;
-use crate::relay::{Backoff, Health, Session, SessionEnd, idle, reconnecting, retire, settle};
+use crate::publish::pipeline::Pipeline;
+use crate::publish::reconcile::Reconciler;
 
 pub(crate) struct Ordered {
     pub(crate) cfg: Arc<RelayConfig>,

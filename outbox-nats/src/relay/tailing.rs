@@ -42,12 +42,12 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, error, info, info_span, warn};
 use uuid::Uuid;
 
+use super::{Backoff, Health, Session, SessionEnd, reconnecting};
 use crate::RelayConfig;
 use crate::lease::Lease;
 use crate::metrics as m;
-use crate::pipeline::{BatchEnd, Pipeline};
-use crate::reconcile::{Lookups, Reconciler};
-use crate::relay::{Backoff, Health, Session, SessionEnd, reconnecting};
+use crate::publish::pipeline::{BatchEnd, Pipeline};
+use crate::publish::reconcile::{Lookups, Reconciler};
 
 pub(crate) struct Tailing {
     pub(crate) cfg: Arc<RelayConfig>,
@@ -351,7 +351,7 @@ impl Tailing {
                     continue;
                 }
             };
-            let (acked, end) = crate::pipeline::publish_batch(
+            let (acked, end) = crate::publish::pipeline::publish_batch(
                 &self.js,
                 cfg,
                 &rows,

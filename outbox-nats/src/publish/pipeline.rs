@@ -17,10 +17,10 @@ use tracing::{error, warn};
 use uuid::Uuid;
 
 use crate::RelayConfig;
+use crate::health::Health;
 use crate::lease::Lease;
 use crate::metrics as m;
 use crate::publish::to_message;
-use crate::relay::Health;
 
 /// How a batch ended.
 #[derive(Debug)]
