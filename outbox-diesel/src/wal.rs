@@ -71,7 +71,7 @@ mod stream;
 pub use captured::{delete_captured, end_snapshot, park, pending_age_seconds, snapshot_rows};
 use decode::Captured;
 pub use error::WalError;
-pub use slot::{SLOTS_TABLE, SlotLag, SlotState, slot_lag, try_lock_slot, unlock_slot};
+pub use slot::{SLOTS_TABLE, SlotLag, SlotState, slot_lag};
 use stream::{Stream, StreamConfig};
 
 use std::collections::HashMap;
@@ -89,11 +89,7 @@ use crate::table::{quote_ident, quote_literal};
 use crate::{OutboxTable, RawJson};
 use pgoutput::{Message, Relation, Tuple, Value};
 
-/// The first key of the session advisory lock that makes a relay the reader of a slot:
-/// `pg_try_advisory_lock(SLOT_LOCK_KEY, hashtext(slot))`. It is `'OBLT'` in ASCII; the ordered
-/// mode's partition locks use the outbox table's OID there instead, and OIDs of user tables
-/// start at 16384 and stay far below it, so the two never meet.
-pub const SLOT_LOCK_KEY: i32 = 0x4F42_4C54;
+pub use crate::relay::SLOT_LOCK_KEY;
 
 /// A WAL position (`pg_lsn`), written `X/X` as PostgreSQL does.
 ///

@@ -549,31 +549,6 @@ pub(super) async fn end_stale_sender(
     Ok(())
 }
 
-/// Tries to take the session advisory lock that makes this connection the one reader of
-/// `slot` (`pg_try_advisory_lock(SLOT_LOCK_KEY, hashtext(slot))`); `true` when it has it. It
-/// is released when the connection closes, so a standby takes over as soon as PostgreSQL
-/// notices that the reader's connection is gone.
-pub async fn try_lock_slot(conn: &mut AsyncPgConnection, slot: &str) -> diesel::QueryResult<bool> {
-    let f: Flag = diesel::sql_query(format!(
-        "SELECT pg_try_advisory_lock({SLOT_LOCK_KEY}, hashtext($1)) AS flag"
-    ))
-    .bind::<Text, _>(slot)
-    .get_result(conn)
-    .await?;
-    Ok(f.flag.unwrap_or(false))
-}
-
-/// Releases the lock of [`try_lock_slot`].
-pub async fn unlock_slot(conn: &mut AsyncPgConnection, slot: &str) -> diesel::QueryResult<bool> {
-    let f: Flag = diesel::sql_query(format!(
-        "SELECT pg_advisory_unlock({SLOT_LOCK_KEY}, hashtext($1)) AS flag"
-    ))
-    .bind::<Text, _>(slot)
-    .get_result(conn)
-    .await?;
-    Ok(f.flag.unwrap_or(false))
-}
-
 /// A replication slot's state and how far it lags.
 #[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize)]
 pub struct SlotLag {

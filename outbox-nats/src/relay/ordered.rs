@@ -206,14 +206,14 @@ impl Ordered {
         // a clean stop: mark what was published, then hand the partitions over at once
         holding.flush(conn).await?;
         for &p in owned.iter() {
-            db::unlock_partition(
-                conn,
+            db::AdvisoryLock::Partition(
                 table,
                 Partition {
                     index: p,
                     count: cfg.partitions,
                 },
             )
+            .unlock(conn)
             .await?;
         }
         if !owned.is_empty() {
@@ -285,7 +285,8 @@ impl Ordered {
                 if owned.contains(&p) {
                     continue;
                 }
-                if db::try_lock_partition(conn, &cfg.table, Partition { index: p, count: n })
+                if db::AdvisoryLock::Partition(&cfg.table, Partition { index: p, count: n })
+                    .try_lock(conn)
                     .await?
                 {
                     owned.insert(p);
@@ -309,14 +310,14 @@ impl Ordered {
         let n = self.cfg.partitions;
         let victims: Vec<u32> = owned.iter().rev().take(how_many).copied().collect();
         for p in &victims {
-            db::unlock_partition(
-                conn,
+            db::AdvisoryLock::Partition(
                 &self.cfg.table,
                 Partition {
                     index: *p,
                     count: n,
                 },
             )
+            .unlock(conn)
             .await?;
             owned.remove(p);
         }
