@@ -1029,7 +1029,7 @@ async fn large_payloads_stay_within_the_budget(mode: &str) -> u64 {
         "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
          SELECT gen_random_uuid(), 'blob', 'b-' || i, 'blob.stored', \
          jsonb_build_object('n', i, 'data', repeat(md5(i::text), 28125)) \
-         FROM generate_series(1, 40) AS i",
+         FROM generate_series(1, 100) AS i",
     )
     .execute(&mut db.conn())
     .expect("insert rows");
@@ -1049,7 +1049,7 @@ async fn large_payloads_stay_within_the_budget(mode: &str) -> u64 {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     peak = peak.max(relay.proc.peak_rss());
-    assert_eq!(stream.count().await, 40);
+    assert_eq!(stream.count().await, 100);
     assert_eq!(parked(&db), 0, "log:\n{}", relay.logs());
     peak
 }
@@ -1068,8 +1068,9 @@ async fn unordered_workers_hold_large_payloads_within_their_byte_budget() {
         "unordered relay peak RSS: {:.1} MiB",
         peak as f64 / 1048576.0
     );
-    // four workers, four connections and their allocator caches
-    assert!(peak < 64 << 20, "peak RSS {peak} bytes");
+    // four workers, each with two batches, four connections and their allocator caches
+    // (55-66 MiB seen; 185 MiB without the budget)
+    assert!(peak < 96 << 20, "peak RSS {peak} bytes");
 }
 
 // ---------------------------------------------------------------------------------------------
