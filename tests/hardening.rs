@@ -12,8 +12,8 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use diesel::prelude::*;
-use outbox_diesel::{OutboxEvent, OutboxExt};
-use serde::Serialize;
+use outbox_diesel::OutboxExt;
+use support::events::{Changed, changed};
 use support::servers::NatsServer;
 use support::{Proc, Relay, TestDb, TestStream, free_port, http_get, relay_command, wait_until};
 
@@ -242,21 +242,10 @@ async fn a_full_discard_new_stream_parks_nothing_and_flows_when_its_limit_is_rai
     }
 }
 
-#[derive(Debug, Clone, Serialize, OutboxEvent)]
-#[outbox(aggregate_type = "account", event_type = "account.changed")]
-struct Changed {
-    #[outbox(aggregate_id)]
-    account: String,
-    n: i64,
-}
-
 fn record(conn: &mut PgConnection, n: usize, aggregates: usize) {
     conn.transaction(|conn| {
         let events: Vec<Changed> = (0..n)
-            .map(|i| Changed {
-                account: format!("acct-{}", i % aggregates),
-                n: i as i64,
-            })
+            .map(|i| changed(&format!("acct-{}", i % aggregates), i as i64))
             .collect();
         conn.record_events(&events)
     })
@@ -480,10 +469,7 @@ async fn a_long_table_name_never_fails_the_business_transaction_and_still_wakes_
     outbox_diesel::create_table(&mut conn, &table).expect("create the table");
     let outbox =
         outbox_diesel::Outbox::new(table.clone()).notify(outbox_diesel::Notify::EveryTransaction);
-    let event = Changed {
-        account: "a".into(),
-        n: 0,
-    };
+    let event = changed("a", 0);
     conn.transaction(|conn| outbox.record(conn, &event).map(drop))
         .expect("the business transaction commits");
 
@@ -550,10 +536,7 @@ async fn a_table_name_with_a_backslash_and_a_quote_works_without_standard_confor
     let outbox =
         outbox_diesel::Outbox::new(table.clone()).notify(outbox_diesel::Notify::EveryTransaction);
     for n in 0..10 {
-        let event = Changed {
-            account: format!("a{}", n % 3),
-            n,
-        };
+        let event = changed(&format!("a{}", n % 3), n);
         conn.transaction(|conn| outbox.record(conn, &event).map(drop))
             .expect("record");
     }
