@@ -12,8 +12,8 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use diesel::prelude::*;
-use outbox_diesel::{OutboxEvent, OutboxExt};
-use serde::Serialize;
+use outbox_diesel::OutboxExt;
+use support::events::{Changed, changed};
 use support::servers::NatsServer;
 use support::{Proc, Relay, TestDb, TestStream, free_port, http_get, relay_command, wait_until};
 
@@ -242,21 +242,10 @@ async fn a_full_discard_new_stream_parks_nothing_and_flows_when_its_limit_is_rai
     }
 }
 
-#[derive(Debug, Clone, Serialize, OutboxEvent)]
-#[outbox(aggregate_type = "account", event_type = "account.changed")]
-struct Changed {
-    #[outbox(aggregate_id)]
-    account: String,
-    n: i64,
-}
-
 fn record(conn: &mut PgConnection, n: usize, aggregates: usize) {
     conn.transaction(|conn| {
         let events: Vec<Changed> = (0..n)
-            .map(|i| Changed {
-                account: format!("acct-{}", i % aggregates),
-                n: i as i64,
-            })
+            .map(|i| changed(&format!("acct-{}", i % aggregates), i as i64))
             .collect();
         conn.record_events(&events)
     })
@@ -480,10 +469,7 @@ async fn a_long_table_name_never_fails_the_business_transaction_and_still_wakes_
     outbox_diesel::create_table(&mut conn, &table).expect("create the table");
     let outbox =
         outbox_diesel::Outbox::new(table.clone()).notify(outbox_diesel::Notify::EveryTransaction);
-    let event = Changed {
-        account: "a".into(),
-        n: 0,
-    };
+    let event = changed("a", 0);
     conn.transaction(|conn| outbox.record(conn, &event).map(drop))
         .expect("the business transaction commits");
 
@@ -550,10 +536,7 @@ async fn a_table_name_with_a_backslash_and_a_quote_works_without_standard_confor
     let outbox =
         outbox_diesel::Outbox::new(table.clone()).notify(outbox_diesel::Notify::EveryTransaction);
     for n in 0..10 {
-        let event = Changed {
-            account: format!("a{}", n % 3),
-            n,
-        };
+        let event = changed(&format!("a{}", n % 3), n);
         conn.transaction(|conn| outbox.record(conn, &event).map(drop))
             .expect("record");
     }
@@ -1029,7 +1012,7 @@ async fn large_payloads_stay_within_the_budget(mode: &str) -> u64 {
         "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
          SELECT gen_random_uuid(), 'blob', 'b-' || i, 'blob.stored', \
          jsonb_build_object('n', i, 'data', repeat(md5(i::text), 28125)) \
-         FROM generate_series(1, 40) AS i",
+         FROM generate_series(1, 100) AS i",
     )
     .execute(&mut db.conn())
     .expect("insert rows");
@@ -1049,7 +1032,7 @@ async fn large_payloads_stay_within_the_budget(mode: &str) -> u64 {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     peak = peak.max(relay.proc.peak_rss());
-    assert_eq!(stream.count().await, 40);
+    assert_eq!(stream.count().await, 100);
     assert_eq!(parked(&db), 0, "log:\n{}", relay.logs());
     peak
 }
@@ -1068,8 +1051,9 @@ async fn unordered_workers_hold_large_payloads_within_their_byte_budget() {
         "unordered relay peak RSS: {:.1} MiB",
         peak as f64 / 1048576.0
     );
-    // four workers, four connections and their allocator caches
-    assert!(peak < 64 << 20, "peak RSS {peak} bytes");
+    // four workers, each with two batches, four connections and their allocator caches
+    // (55-66 MiB seen; 185 MiB without the budget)
+    assert!(peak < 96 << 20, "peak RSS {peak} bytes");
 }
 
 // ---------------------------------------------------------------------------------------------

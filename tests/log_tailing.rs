@@ -10,28 +10,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use diesel::prelude::*;
-use outbox_diesel::{Outbox, OutboxEvent, OutboxExt};
-use serde::Serialize;
+use outbox_diesel::{Outbox, OutboxExt};
+use support::events::{Changed, changed};
 use support::slot::Slot;
 use support::{Proc, TestDb, TestStream, relay_bin, relay_command, wait_until};
-
-#[derive(Debug, Clone, Serialize, OutboxEvent)]
-#[outbox(aggregate_type = "account", event_type = "account.changed")]
-struct Changed {
-    #[outbox(aggregate_id)]
-    account: String,
-    n: i64,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    blob: Option<String>,
-}
-
-fn changed(account: &str, n: i64) -> Changed {
-    Changed {
-        account: account.into(),
-        n,
-        blob: None,
-    }
-}
 
 fn relay(name: &str, db: &TestDb, stream: &TestStream, slot: &Slot, args: &[&str]) -> Proc {
     let mut all = vec!["--mode", "log-tailing", "--slot", &slot.name];

@@ -8,27 +8,9 @@ use std::process::Command;
 use std::time::Duration;
 
 use diesel::prelude::*;
-use outbox_diesel::{OutboxEvent, OutboxExt};
-use serde::Serialize;
+use outbox_diesel::OutboxExt;
+use support::events::{Changed, changed};
 use support::{Proc, TestDb, TestStream, relay_bin, relay_command, wait_until};
-
-#[derive(Debug, Clone, Serialize, OutboxEvent)]
-#[outbox(aggregate_type = "account", event_type = "account.changed")]
-struct Changed {
-    #[outbox(aggregate_id)]
-    account: String,
-    n: i64,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    blob: Option<String>,
-}
-
-fn changed(account: &str, n: i64) -> Changed {
-    Changed {
-        account: account.into(),
-        n,
-        blob: None,
-    }
-}
 
 fn relay(name: &str, db: &TestDb, stream: &TestStream, args: &[&str]) -> Proc {
     Proc::spawn(name, &mut relay_command(db, stream, args))

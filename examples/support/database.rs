@@ -56,7 +56,9 @@ fn ensure_database(url: &str, env: &str, first: &ConnectionError) -> anyhow::Res
     let mut admin = PgConnection::establish(&with_connect_timeout(&maintenance))
         .map_err(|_| unreachable(url, env, first))?;
     if exists(&mut admin, &name)? {
-        return Err(unreachable(url, env, first));
+        // there now: another process made it since our attempt, or the first error was about
+        // something else; the caller's next attempt says which
+        return Ok(());
     }
     let quoted = format!("\"{}\"", name.replace('"', "\"\""));
     match diesel::sql_query(format!("CREATE DATABASE {quoted}")).execute(&mut admin) {

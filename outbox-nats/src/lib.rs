@@ -1,13 +1,19 @@
 //! The relay of the Diesel transactional outbox: it publishes the committed rows of the
 //! outbox table (recorded with `outbox-diesel`) to NATS JetStream.
 //!
-//! - [`Relay`] runs in-process; the `outbox-relay` binary runs the same engine;
-//! - [`publish`] is the publishing contract (subject, headers, body, stream);
-//! - [`subject`] the subject template and the token encoding;
-//! - [`reconcile`] how a row that may be in the stream already is looked up before it is sent
-//!   again;
-//! - [`fence`] how the ordered modes have JetStream refuse an event that would land after a
-//!   newer one of its subject.
+//! The crate's rooms:
+//!
+//! - the relay engine and its modes ([`Relay`], [`RelayConfig`], [`Mode`], [`Health`],
+//!   [`cleanup`]); the `outbox-relay` binary runs the same engine;
+//! - [`publish`], the publishing contract: what message a row becomes ([`subject`]: the
+//!   subject template and the token encoding), the stream, the pipeline that keeps each
+//!   aggregate's order, and [`reconcile`]: how a row that may be in the stream already is
+//!   looked up before it is sent again, and [`fence`]: how the ordered modes have JetStream
+//!   refuse an event that would land after a newer one of its subject;
+//! - [`consumer`], the consuming side;
+//! - [`operations`], what an operator asks of a running deployment (`status`, `parked`,
+//!   `retry`, the admin server);
+//! - shared by them: [`NatsOptions`] (connecting), [`backoff`], [`metrics`].
 //!
 //! ```no_run
 //! use outbox_nats::{NatsOptions, Relay, RelayConfig};
@@ -21,31 +27,25 @@
 //! # Ok(()) }
 //! ```
 
-#[cfg(feature = "admin")]
-pub mod admin;
 pub mod backoff;
-pub mod cleanup;
 #[cfg(feature = "cli")]
 pub mod cli;
-mod config;
 mod connect;
 pub mod consumer;
-pub mod fence;
+mod health;
 mod lease;
 pub mod metrics;
 pub mod operations;
-mod ordered;
-mod pipeline;
 pub mod publish;
-pub mod reconcile;
 mod redact;
 mod relay;
-pub mod subject;
-mod tailing;
-mod unordered;
 
-pub use config::{Mode, RelayConfig};
 pub use connect::{ConnectError, NatsOptions};
 pub use consumer::{Consumer, ConsumerConfig, Delivery};
+#[cfg(feature = "admin")]
+pub use operations::admin;
+pub use publish::{fence, reconcile, subject};
 pub use redact::redact_url;
+pub use relay::cleanup;
+pub use relay::config::{Mode, RelayConfig};
 pub use relay::{Health, Relay, RelayError};

@@ -13,6 +13,7 @@ use diesel::prelude::*;
 use futures_util::StreamExt;
 
 pub mod checker;
+pub mod events;
 pub mod proxy;
 pub mod servers;
 pub mod slot;

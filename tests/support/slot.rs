@@ -78,7 +78,7 @@ impl Slot {
             "SELECT COALESCE((SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted \
              AND objsubid = 2 AND classid = {} AND objid = hashtext('{}')::oid \
              AND database = (SELECT oid FROM pg_database WHERE datname = current_database())), 0)",
-            outbox_diesel::wal::SLOT_LOCK_KEY,
+            outbox_diesel::relay::SLOT_LOCK_KEY,
             self.name
         ));
         (pid != 0).then_some(pid)

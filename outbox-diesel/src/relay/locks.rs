@@ -1,4 +1,5 @@
-//! Locks and membership: partition leases and the relays taking part in balancing.
+//! Locks and membership: the relay's advisory locks (partitions, slots), and the relays
+//! taking part in balancing.
 
 use chrono::{DateTime, Utc};
 use diesel::sql_types::{BigInt, Bool, Integer, Nullable, Text, Timestamptz};
@@ -9,39 +10,98 @@ use crate::OutboxTable;
 
 use super::{Flag, Partition};
 
-/// Tries to take the session advisory lock that makes this connection the owner of
-/// `partition` of `table`; `true` when it got it (or already held it).
+/// The first key of the lock that makes a relay the reader of a slot ([`AdvisoryLock::Slot`]).
+/// It is `'OBLT'` in ASCII; a partition's lock has the outbox table's OID there instead, and
+/// OIDs of user tables start at 16384 and stay far below it, so the two never meet.
+pub const SLOT_LOCK_KEY: i32 = 0x4F42_4C54;
+
+/// A session advisory lock of the relay's: every kind in one place, with its key, so that no
+/// two kinds meet. Each lasts until it is released or the session ends, so the work of a relay
+/// that died is free as soon as PostgreSQL notices its connection is gone.
 ///
-/// The lock is `pg_try_advisory_lock(<table oid>, <partition index>)`: it is released when
-/// the connection closes, so a dead relay's partitions are free as soon as PostgreSQL notices
-/// its connection is gone.
-pub async fn try_lock_partition(
-    conn: &mut AsyncPgConnection,
-    table: &OutboxTable,
-    partition: Partition,
-) -> QueryResult<bool> {
-    let f: Flag =
-        diesel::sql_query("SELECT pg_try_advisory_lock(to_regclass($1)::oid::int, $2) AS flag")
-            .bind::<Text, _>(table.quoted())
-            .bind::<Integer, _>(partition.index as i32)
-            .get_result(conn)
-            .await?;
-    Ok(f.flag.unwrap_or(false))
+/// | lock | who holds it | key |
+/// |---|---|---|
+/// | [`Partition`](Self::Partition) | the owner of a partition (ordered mode), exclusive | `(<table OID>, <partition index>)` |
+/// | [`Slot`](Self::Slot) | the one reader of a slot (log tailing), exclusive | `(SLOT_LOCK_KEY, hashtext(<slot>))` |
+/// | [`PartitionCount`](Self::PartitionCount) | every relay of the table, shared: its partition count | `<table OID> << 32 \| 2^31 + <count>` |
+///
+/// The two-key form and the 64-bit form are apart in `pg_locks` (`objsubid` 2 and 1). A
+/// relay's join ticket (see [`join_members`]) is the fourth kind: `<table OID> << 32 |
+/// <ticket>`, below 2^31, taken by the query that picks it.
+///
+/// ```no_run
+/// use outbox_diesel::OutboxTable;
+/// use outbox_diesel::relay::{AdvisoryLock, Partition};
+///
+/// # async fn run(conn: &mut diesel_async::AsyncPgConnection) -> diesel::QueryResult<()> {
+/// let table = OutboxTable::DEFAULT;
+/// let lock = AdvisoryLock::Partition(&table, Partition { index: 3, count: 16 });
+/// if lock.try_lock(conn).await? {
+///     // ... publish partition 3
+///     lock.unlock(conn).await?;
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub enum AdvisoryLock<'a> {
+    /// A partition of a table: its owner.
+    Partition(&'a OutboxTable, Partition),
+    /// A replication slot: its one reader.
+    Slot(&'a str),
+    /// A relay of a table running with this many partitions (shared).
+    PartitionCount(&'a OutboxTable, u32),
 }
 
-/// Releases the lock taken by [`try_lock_partition`].
-pub async fn unlock_partition(
-    conn: &mut AsyncPgConnection,
-    table: &OutboxTable,
-    partition: Partition,
-) -> QueryResult<bool> {
-    let f: Flag =
-        diesel::sql_query("SELECT pg_advisory_unlock(to_regclass($1)::oid::int, $2) AS flag")
-            .bind::<Text, _>(table.quoted())
-            .bind::<Integer, _>(partition.index as i32)
-            .get_result(conn)
-            .await?;
-    Ok(f.flag.unwrap_or(false))
+impl AdvisoryLock<'_> {
+    /// Tries to take the lock without waiting; `true` when this session has it (or had it
+    /// already).
+    pub async fn try_lock(&self, conn: &mut AsyncPgConnection) -> QueryResult<bool> {
+        match self {
+            Self::PartitionCount(..) => self.call(conn, "pg_try_advisory_lock_shared").await,
+            _ => self.call(conn, "pg_try_advisory_lock").await,
+        }
+    }
+
+    /// Releases the lock; `false` when this session did not hold it.
+    pub async fn unlock(&self, conn: &mut AsyncPgConnection) -> QueryResult<bool> {
+        match self {
+            Self::PartitionCount(..) => self.call(conn, "pg_advisory_unlock_shared").await,
+            _ => self.call(conn, "pg_advisory_unlock").await,
+        }
+    }
+
+    async fn call(&self, conn: &mut AsyncPgConnection, function: &str) -> QueryResult<bool> {
+        let f: Flag = match *self {
+            Self::Partition(table, partition) => {
+                diesel::sql_query(format!(
+                    "SELECT {function}(to_regclass($1)::oid::int, $2) AS flag"
+                ))
+                .bind::<Text, _>(table.quoted())
+                .bind::<Integer, _>(partition.index as i32)
+                .get_result(conn)
+                .await?
+            }
+            Self::Slot(slot) => {
+                diesel::sql_query(format!(
+                    "SELECT {function}({SLOT_LOCK_KEY}, hashtext($1)) AS flag"
+                ))
+                .bind::<Text, _>(slot)
+                .get_result(conn)
+                .await?
+            }
+            Self::PartitionCount(table, partitions) => {
+                diesel::sql_query(format!(
+                    "SELECT {function}((to_regclass($1)::oid::bigint << 32) | $2) AS flag"
+                ))
+                .bind::<Text, _>(table.quoted())
+                .bind::<BigInt, _>(COUNT_KEY | i64::from(partitions))
+                .get_result(conn)
+                .await?
+            }
+        };
+        Ok(f.flag.unwrap_or(false))
+    }
 }
 
 /// A relay session holding a partition's lease.
@@ -121,7 +181,7 @@ const COUNT_KEY: i64 = 1 << 31;
 ///
 /// Both show in `pg_locks`, which any role may read (unlike another role's
 /// `pg_stat_activity` row), so relays running as different roles see each other. The
-/// partition locks ([`try_lock_partition`]) use the two-key form, another key space. The
+/// partition locks ([`AdvisoryLock::Partition`]) use the two-key form, another key space. The
 /// locks last as long as the session. Returns the ticket.
 pub async fn join_members(
     conn: &mut AsyncPgConnection,
@@ -133,12 +193,16 @@ pub async fn join_members(
             format!("partition count {partitions} is out of range 1..={MAX_PARTITIONS}").into(),
         ));
     }
+    // nobody takes these exclusively, so the shared lock is always granted
+    if !AdvisoryLock::PartitionCount(table, partitions)
+        .try_lock(conn)
+        .await?
+    {
+        return Err(diesel::result::Error::QueryBuilderError(
+            "the relays' partition-count lock was refused: a session holds it exclusively".into(),
+        ));
+    }
     let name = table.quoted();
-    diesel::sql_query("SELECT pg_advisory_lock_shared((to_regclass($1)::oid::bigint << 32) | $2)")
-        .bind::<Text, _>(&name)
-        .bind::<BigInt, _>(COUNT_KEY | partitions as i64)
-        .execute(conn)
-        .await?;
     #[derive(QueryableByName)]
     struct Ticket {
         #[diesel(sql_type = BigInt)]

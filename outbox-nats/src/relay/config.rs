@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use outbox_diesel::OutboxTable;
 
-use crate::subject::SubjectTemplate;
+use crate::publish::subject::SubjectTemplate;
 
 /// How the relay reads the outbox (`--mode ordered|unordered|log-tailing` with the `cli`
 /// feature).
@@ -466,10 +466,10 @@ impl RelayConfig {
             ));
         }
         let fixed = self.subject_template.fixed_len(&self.subject_prefix);
-        if fixed > crate::subject::MAX_SUBJECT_FIXED_LEN {
+        if fixed > crate::publish::subject::MAX_SUBJECT_FIXED_LEN {
             return Err(format!(
                 "the subject prefix and the template's literal tokens take {fixed} bytes, over the limit of {}: subjects must stay within the NATS server's control line; use a shorter --subject-prefix",
-                crate::subject::MAX_SUBJECT_FIXED_LEN
+                crate::publish::subject::MAX_SUBJECT_FIXED_LEN
             ));
         }
         if self.stream.is_empty() || self.stream.contains(['.', '*', '>', ' ', '/', '\\']) {

@@ -3,7 +3,7 @@
 //! the polling modes, and confirms the slot only past transactions JetStream acked whole.
 //!
 //! One reader per slot: the reader holds the session advisory lock
-//! `(outbox_diesel::wal::SLOT_LOCK_KEY, hashtext(slot))`, a key apart from the ordered mode's
+//! `(outbox_diesel::relay::SLOT_LOCK_KEY, hashtext(slot))`, a key apart from the ordered mode's
 //! partition locks (which use the table's OID). Other relays in this mode stand by, trying the
 //! lock every `standby_interval`; PostgreSQL releases it when the reader's connection drops,
 //! and ends a silent reader's session after the lease (see `lease.rs`), so a paused reader is
@@ -36,18 +36,18 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream;
 use chrono::{DateTime, Utc};
 use diesel_async::AsyncPgConnection;
-use outbox_diesel::relay::OutboxRow;
+use outbox_diesel::relay::{AdvisoryLock, OutboxRow};
 use outbox_diesel::wal::{self, Lsn, SlotState, WalBatch, WalError, WalReader};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, error, info, info_span, warn};
 use uuid::Uuid;
 
+use super::{Backoff, Health, Session, SessionEnd, reconnecting};
 use crate::RelayConfig;
 use crate::lease::Lease;
 use crate::metrics as m;
-use crate::pipeline::{BatchEnd, Pipeline};
-use crate::reconcile::{Lookups, Reconciler};
-use crate::relay::{Backoff, Health, Session, SessionEnd, reconnecting};
+use crate::publish::pipeline::{BatchEnd, Pipeline};
+use crate::publish::reconcile::{Lookups, Reconciler};
 
 pub(crate) struct Tailing {
     pub(crate) cfg: Arc<RelayConfig>,
@@ -272,7 +272,7 @@ impl Tailing {
                 return Ok(());
             }
             let started = Instant::now();
-            let mine = wal::try_lock_slot(conn, &slot).await?;
+            let mine = AdvisoryLock::Slot(&slot).try_lock(conn).await?;
             lease.confirm(started);
             if mine {
                 break;
@@ -301,7 +301,7 @@ impl Tailing {
         if result.is_ok() {
             // a clean stop: confirm what was acked and hand the slot over at once
             reader.close(conn).await?;
-            wal::unlock_slot(conn, &slot).await?;
+            AdvisoryLock::Slot(&slot).unlock(conn).await?;
             info!(slot = %slot, "slot released");
         }
         result
@@ -351,7 +351,7 @@ impl Tailing {
                     continue;
                 }
             };
-            let (acked, end) = crate::pipeline::publish_batch(
+            let (acked, end) = crate::publish::pipeline::publish_batch(
                 &self.js,
                 cfg,
                 &rows,

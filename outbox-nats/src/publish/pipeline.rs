@@ -16,11 +16,11 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, warn};
 use uuid::Uuid;
 
-use crate::fence::{FENCE_HEADER, Fence};
+use super::fence::{FENCE_HEADER, Fence};
+use crate::health::Health;
 use crate::lease::Lease;
 use crate::metrics as m;
 use crate::publish::to_message;
-use crate::relay::Health;
 use crate::{Mode, RelayConfig};
 
 /// How a batch ended.

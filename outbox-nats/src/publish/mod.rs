@@ -1,4 +1,12 @@
 //! The publishing contract: what message an outbox row becomes, and the stream it goes to.
+//! [`subject`] renders subjects; the pipeline sends rows in order, never two unacked
+//! messages of one aggregate at once; [`reconcile`] looks a row in doubt up before sending it
+//! again.
+
+pub mod fence;
+pub(crate) mod pipeline;
+pub mod reconcile;
+pub mod subject;
 
 use std::time::Duration;
 
@@ -7,7 +15,7 @@ use async_nats::{HeaderMap, HeaderName, HeaderValue};
 use bytes::Bytes;
 use outbox_diesel::relay::OutboxRow;
 
-use crate::subject::{MAX_SUBJECT_LEN, SubjectTemplate, filter_matches};
+use subject::{MAX_SUBJECT_LEN, SubjectTemplate, filter_matches};
 
 /// Header carrying the row's aggregate type.
 pub const AGGREGATE_TYPE_HEADER: &str = "Outbox-Aggregate-Type";

@@ -51,7 +51,7 @@ use futures_util::StreamExt;
 use outbox_diesel::relay::OutboxRow;
 use uuid::Uuid;
 
-use crate::subject::SubjectTemplate;
+use crate::publish::subject::SubjectTemplate;
 
 /// How far the clocks of PostgreSQL (which sets `created_at`) and NATS (which stamps a
 /// stored message) may differ: the read starts this long before a row's `created_at`.

@@ -3,6 +3,9 @@
 //! [`Display`](std::fmt::Display), `--json` through serde); a service can serve or check them
 //! itself.
 
+#[cfg(feature = "admin")]
+pub mod admin;
+
 use std::fmt;
 use std::time::Duration;
 

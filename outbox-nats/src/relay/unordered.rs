@@ -15,11 +15,11 @@ use outbox_diesel::relay as db;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info_span, warn};
 
+use super::{Backoff, Health, Session, SessionEnd, idle, reconnecting, retire, settle};
 use crate::RelayConfig;
 use crate::lease::Lease;
-use crate::pipeline::{BatchEnd, publish_batch};
-use crate::reconcile::Reconciler;
-use crate::relay::{Backoff, Health, Session, SessionEnd, idle, reconnecting, retire, settle};
+use crate::publish::pipeline::{BatchEnd, publish_batch};
+use crate::publish::reconcile::Reconciler;
 
 pub(crate) struct Unordered {
     pub(crate) cfg: Arc<RelayConfig>,
@@ -76,7 +76,7 @@ impl Unordered {
                     )
                     .await?;
                     if !rows.is_empty() {
-                        *average_payload = crate::ordered::average_payload_len(&rows);
+                        *average_payload = super::ordered::average_payload_len(&rows);
                     }
                     lease.confirm(started);
                     if rows.is_empty() {

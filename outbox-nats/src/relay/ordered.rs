@@ -33,12 +33,12 @@ use outbox_diesel::relay::{self as db, OutboxRow, Partition};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
+use super::{Backoff, Health, Session, SessionEnd, idle, reconnecting, retire, settle};
 use crate::RelayConfig;
 use crate::lease::Lease;
 use crate::metrics as m;
-use crate::pipeline::Pipeline;
-use crate::reconcile::Reconciler;
-use crate::relay::{Backoff, Health, Session, SessionEnd, idle, reconnecting, retire, settle};
+use crate::publish::pipeline::Pipeline;
+use crate::publish::reconcile::Reconciler;
 
 pub(crate) struct Ordered {
     pub(crate) cfg: Arc<RelayConfig>,
@@ -207,14 +207,14 @@ impl Ordered {
         // a clean stop: mark what was published, then hand the partitions over at once
         holding.flush(conn).await?;
         for &p in owned.iter() {
-            db::unlock_partition(
-                conn,
+            db::AdvisoryLock::Partition(
                 table,
                 Partition {
                     index: p,
                     count: cfg.partitions,
                 },
             )
+            .unlock(conn)
             .await?;
         }
         if !owned.is_empty() {
@@ -286,7 +286,8 @@ impl Ordered {
                 if owned.contains(&p) {
                     continue;
                 }
-                if db::try_lock_partition(conn, &cfg.table, Partition { index: p, count: n })
+                if db::AdvisoryLock::Partition(&cfg.table, Partition { index: p, count: n })
+                    .try_lock(conn)
                     .await?
                 {
                     owned.insert(p);
@@ -310,14 +311,14 @@ impl Ordered {
         let n = self.cfg.partitions;
         let victims: Vec<u32> = owned.iter().rev().take(how_many).copied().collect();
         for p in &victims {
-            db::unlock_partition(
-                conn,
+            db::AdvisoryLock::Partition(
                 &self.cfg.table,
                 Partition {
                     index: *p,
                     count: n,
                 },
             )
+            .unlock(conn)
             .await?;
             owned.remove(p);
         }

@@ -9,7 +9,7 @@ use axum::routing::get;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio_util::sync::CancellationToken;
 
-use crate::relay::Health;
+use crate::health::Health;
 
 /// Installs the Prometheus recorder as the process's `metrics` recorder, with buckets for the
 /// latency and batch histograms.

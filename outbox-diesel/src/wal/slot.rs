@@ -1,0 +1,599 @@
+//! The slot and what it needs: the publication, the relay's record of its slot (its last
+//! confirmed position, so a lost slot is an error and not a silent restart), creating the
+//! slot with its snapshot, the slot's lock and lag.
+
+use super::error::{classify, maybe_busy};
+use super::*;
+
+/// Where a reader's slot stands, as [`WalReader::setup`] finds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SlotState {
+    /// The slot exists and every row recorded before it was published: read it.
+    Ready,
+    /// There is no slot: [`WalReader::create_slot`] makes it, with the snapshot of the rows
+    /// recorded before it.
+    Missing,
+    /// The slot exists, but the rows recorded before it were not all published (the relay
+    /// stopped during its first start): [`WalReader::create_slot`] makes it again.
+    Unfinished,
+}
+
+/// The name of the relay's record of its slots, beside the outbox table.
+pub const SLOTS_TABLE: &str = "outbox_relay_slots";
+
+#[derive(QueryableByName)]
+pub(super) struct SlotRecord {
+    #[diesel(sql_type = Text)]
+    pub(super) state: String,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    pub(super) confirmed: Option<i64>,
+    #[diesel(sql_type = diesel::sql_types::Timestamptz)]
+    pub(super) updated_at: DateTime<Utc>,
+}
+
+#[derive(QueryableByName)]
+pub(super) struct SlotRow {
+    #[diesel(sql_type = Nullable<Text>)]
+    pub(super) plugin: Option<String>,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub(super) database: Option<String>,
+    #[diesel(sql_type = Nullable<Bool>)]
+    pub(super) here: Option<bool>,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub(super) wal_status: Option<String>,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    pub(super) confirmed: Option<i64>,
+}
+
+#[derive(QueryableByName)]
+pub(super) struct PubRow {
+    #[diesel(sql_type = Bool)]
+    pub(super) pubinsert: bool,
+    #[diesel(sql_type = Bool)]
+    pub(super) pubupdate: bool,
+    #[diesel(sql_type = Bool)]
+    pub(super) has_table: bool,
+}
+
+impl WalReader {
+    /// Prepares `conn` (UTC, ISO dates, so timestamps decode the same everywhere), creates the
+    /// publication and the relay's record of its slots (`outbox_relay_slots`, beside the
+    /// table) when missing, and says where the slot stands. A streaming reader's missing slot
+    /// is made by [`WalReader::create_slot`]; a reader that reads with SQL creates it here
+    /// (and sees only what commits after that).
+    ///
+    /// A missing slot that the record says was read before is [`WalError::SlotMissing`],
+    /// unless the reader [recovers](WalReader::recover).
+    pub async fn setup(&mut self, conn: &mut AsyncPgConnection) -> Result<SlotState, WalError> {
+        check_slot_name(&self.slot).map_err(|reason| WalError::SlotMismatch {
+            slot: self.slot.clone(),
+            found: reason,
+        })?;
+        conn.batch_execute("SET TimeZone = 'UTC'; SET DateStyle = 'ISO, YMD'")
+            .await?;
+        let oid: Oid = diesel::sql_query(format!(
+            "SELECT to_regclass({})::oid::bigint AS oid",
+            quote_literal(&self.table.quoted())
+        ))
+        .get_result(conn)
+        .await?;
+        let oid = oid
+            .oid
+            .ok_or_else(|| WalError::TableMissing(self.table.to_string()))?;
+        self.table_oid = Some(oid as u32);
+        self.ensure_publication(conn).await?;
+        self.ensure_record(conn).await?;
+        let record = self.record(conn).await?;
+        let exists = self.check_slot(conn).await?;
+        match (exists, record) {
+            (true, Some(r)) if r.state == "snapshot" => Ok(SlotState::Unfinished),
+            (true, r) => {
+                if r.is_none() {
+                    // a slot made before the record existed, or by hand
+                    self.write_record(conn, "streaming", None).await?;
+                }
+                Ok(SlotState::Ready)
+            }
+            (false, Some(r)) if r.state == "streaming" && !self.recover => {
+                Err(WalError::SlotMissing {
+                    slot: self.slot.clone(),
+                    confirmed: Lsn(r.confirmed.unwrap_or_default() as u64),
+                    recorded_at: r.updated_at,
+                })
+            }
+            (false, _) if self.streaming.is_none() => {
+                self.create_slot_sql(conn).await?;
+                self.write_record(conn, "streaming", None).await?;
+                Ok(SlotState::Ready)
+            }
+            (false, _) => Ok(SlotState::Missing),
+        }
+    }
+
+    pub(super) fn record_table(&self) -> String {
+        match self.table.schema() {
+            Some(s) => format!("{}.{SLOTS_TABLE}", quote_ident(s)),
+            None => SLOTS_TABLE.to_owned(),
+        }
+    }
+
+    pub(super) async fn ensure_record(&self, conn: &mut AsyncPgConnection) -> Result<(), WalError> {
+        let t = self.record_table();
+        let found: Oid = diesel::sql_query(format!(
+            "SELECT to_regclass({})::oid::bigint AS oid",
+            quote_literal(&t)
+        ))
+        .get_result(conn)
+        .await?;
+        if found.oid.is_some() {
+            return Ok(());
+        }
+        let sql = format!(
+            "CREATE TABLE IF NOT EXISTS {t} (slot_name text PRIMARY KEY, table_name text NOT NULL, \
+             state text NOT NULL CHECK (state IN ('snapshot', 'streaming')), confirmed_lsn pg_lsn, \
+             created_at timestamptz NOT NULL DEFAULT now(), updated_at timestamptz NOT NULL DEFAULT now())"
+        );
+        match conn.batch_execute(&sql).await {
+            Ok(()) => Ok(()),
+            // decided on the server's state, not on the message (worded in the language of
+            // the server's lc_messages)
+            Err(e @ DieselError::DatabaseError(..)) => {
+                let now: Oid = diesel::sql_query(format!(
+                    "SELECT to_regclass({})::oid::bigint AS oid",
+                    quote_literal(&t)
+                ))
+                .get_result(conn)
+                .await?;
+                if now.oid.is_some() {
+                    // another relay created it meanwhile
+                    return Ok(());
+                }
+                let may: Flag = diesel::sql_query(
+                    "SELECT has_schema_privilege(COALESCE($1, current_schema()), 'CREATE') AS flag",
+                )
+                .bind::<Nullable<Text>, _>(self.table.schema())
+                .get_result(conn)
+                .await?;
+                if may.flag == Some(false) {
+                    Err(WalError::RecordRight {
+                        table: t,
+                        sql,
+                        source: e,
+                    })
+                } else {
+                    Err(e.into())
+                }
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    pub(super) async fn record(
+        &self,
+        conn: &mut AsyncPgConnection,
+    ) -> Result<Option<SlotRecord>, WalError> {
+        let rows: Vec<SlotRecord> = diesel::sql_query(format!(
+            "SELECT state, (confirmed_lsn - '0/0'::pg_lsn)::bigint AS confirmed, updated_at \
+             FROM {} WHERE slot_name = $1",
+            self.record_table()
+        ))
+        .bind::<Text, _>(&self.slot)
+        .load(conn)
+        .await?;
+        Ok(rows.into_iter().next())
+    }
+
+    pub(super) async fn write_record(
+        &self,
+        conn: &mut AsyncPgConnection,
+        state: &str,
+        confirmed: Option<Lsn>,
+    ) -> Result<(), WalError> {
+        diesel::sql_query(format!(
+            "INSERT INTO {} (slot_name, table_name, state, confirmed_lsn) VALUES ($1, $2, $3, $4::pg_lsn) \
+             ON CONFLICT (slot_name) DO UPDATE SET table_name = EXCLUDED.table_name, \
+             state = EXCLUDED.state, confirmed_lsn = EXCLUDED.confirmed_lsn, updated_at = now()",
+            self.record_table()
+        ))
+        .bind::<Text, _>(&self.slot)
+        .bind::<Text, _>(self.table.to_string())
+        .bind::<Text, _>(state)
+        .bind::<Nullable<Text>, _>(confirmed.map(|l| l.to_string()))
+        .execute(conn)
+        .await?;
+        Ok(())
+    }
+
+    /// Records `confirmed` as the slot's last confirmed position in the relay's record (what
+    /// [`WalError::SlotMissing`] reports when the slot is lost).
+    pub async fn save_position(
+        &self,
+        conn: &mut AsyncPgConnection,
+        confirmed: Lsn,
+    ) -> Result<(), WalError> {
+        diesel::sql_query(format!(
+            "UPDATE {} SET confirmed_lsn = $2::pg_lsn, updated_at = now() \
+             WHERE slot_name = $1 AND state = 'streaming' \
+             AND (confirmed_lsn IS NULL OR confirmed_lsn < $2::pg_lsn)",
+            self.record_table()
+        ))
+        .bind::<Text, _>(&self.slot)
+        .bind::<Text, _>(confirmed.to_string())
+        .execute(conn)
+        .await?;
+        Ok(())
+    }
+
+    /// Makes the streaming reader's slot (dropping an [unfinished](SlotState::Unfinished) one
+    /// first) with an exported snapshot, and opens on `snapshot` a read-only repeatable-read
+    /// transaction on that snapshot: it sees exactly the rows committed before the slot's
+    /// consistent point, which the slot will not send. Read them with [`snapshot_rows`], end
+    /// the transaction with [`end_snapshot`], then [`WalReader::finish_slot`]. Returns the
+    /// consistent point.
+    ///
+    /// Until `finish_slot`, the record says the slot is unfinished, so that a relay that stops
+    /// meanwhile makes it again (and publishes the rows before it again) on its next start.
+    /// Creating a slot waits for the transactions running at that moment to end.
+    pub async fn create_slot(
+        &mut self,
+        conn: &mut AsyncPgConnection,
+        snapshot: &mut AsyncPgConnection,
+    ) -> Result<Lsn, WalError> {
+        let Some(cfg) = self.streaming.clone() else {
+            return Err(self.stream_error("only a streaming reader makes its slot with a snapshot"));
+        };
+        let mut tries = 0;
+        while self.check_slot(conn).await? {
+            // the sender of a reader that stopped during its first start may linger a moment
+            end_stale_sender(conn, &self.slot).await?;
+            let dropped = match diesel::sql_query("SELECT pg_drop_replication_slot($1)")
+                .bind::<Text, _>(&self.slot)
+                .execute(conn)
+                .await
+            {
+                Ok(n) => Ok(n),
+                Err(e) => Err(classify(conn, e, &self.slot).await),
+            };
+            match dropped {
+                Ok(_) => {
+                    tracing::info!(slot = %self.slot, "unfinished replication slot dropped");
+                }
+                Err(e) if maybe_busy(&e) && tries < 50 => {
+                    tries += 1;
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        self.write_record(conn, "snapshot", None).await?;
+        tracing::info!(slot = %self.slot, "creating the replication slot (this waits for the transactions running now to end)");
+        let mut client =
+            pgwire_replication::ReplicationClient::connect_gated(self.replication_config(&cfg))
+                .await
+                .map_err(|e| self.connection_error(e))?;
+        let result = self.export_and_import(&mut client, snapshot).await;
+        client.abort();
+        let at = result?;
+        self.acked = Lsn(0);
+        tracing::info!(slot = %self.slot, lsn = %at, "replication slot created");
+        Ok(at)
+    }
+
+    pub(super) async fn export_and_import(
+        &self,
+        client: &mut pgwire_replication::ReplicationClient,
+        snapshot: &mut AsyncPgConnection,
+    ) -> Result<Lsn, WalError> {
+        let rows = client
+            .simple_query(&format!(
+                "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput EXPORT_SNAPSHOT",
+                self.slot
+            ))
+            .await
+            .map_err(|e| self.connection_error(e))?;
+        let col = |i: usize| {
+            rows.as_slice()
+                .first()
+                .and_then(|r| r.get(i))
+                .and_then(|v| v.as_ref())
+                .map(|b| String::from_utf8_lossy(b).into_owned())
+        };
+        let (Some(point), Some(name)) = (col(1), col(2)) else {
+            return Err(self.stream_error("CREATE_REPLICATION_SLOT returned no snapshot"));
+        };
+        let at: Lsn = point.parse().map_err(|e: String| self.stream_error(e))?;
+        // the exported snapshot lives while the replication session is idle: import it now
+        snapshot
+            .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            .await?;
+        snapshot
+            .batch_execute(&format!(
+                "SET TRANSACTION SNAPSHOT {}",
+                quote_literal(&name)
+            ))
+            .await?;
+        Ok(at)
+    }
+
+    /// Records that every row recorded before the slot made by [`WalReader::create_slot`] was
+    /// published: from now on the slot is read, and a missing slot is an error.
+    pub async fn finish_slot(&self, conn: &mut AsyncPgConnection, at: Lsn) -> Result<(), WalError> {
+        self.write_record(conn, "streaming", Some(at)).await
+    }
+
+    pub(super) async fn ensure_publication(
+        &self,
+        conn: &mut AsyncPgConnection,
+    ) -> Result<(), WalError> {
+        let found: Vec<PubRow> = diesel::sql_query(format!(
+            "SELECT p.pubinsert, p.pubupdate, (p.puballtables OR EXISTS (SELECT 1 FROM pg_publication_rel r \
+             WHERE r.prpubid = p.oid AND r.prrelid = to_regclass({}))) AS has_table \
+             FROM pg_publication p WHERE p.pubname = $1",
+            quote_literal(&self.table.quoted())
+        ))
+        .bind::<Text, _>(&self.publication)
+        .load(conn)
+        .await?;
+        match found.as_slice().first() {
+            Some(p) if p.pubinsert && p.has_table => {
+                if !p.pubupdate {
+                    tracing::warn!(publication = %self.publication, "the publication does not publish updates: `outbox-relay retry` of a parked event is not seen by log tailing");
+                }
+                Ok(())
+            }
+            Some(_) => Err(WalError::PublicationMismatch {
+                publication: self.publication.clone(),
+                table: self.table.to_string(),
+            }),
+            None => {
+                let sql = format!(
+                    "CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert, update')",
+                    quote_ident(&self.publication),
+                    self.table.quoted()
+                );
+                match conn.batch_execute(&sql).await {
+                    Ok(()) => {
+                        tracing::info!(publication = %self.publication, table = %self.table, "publication created");
+                        Ok(())
+                    }
+                    // decided on the server's state, not on the message (worded in the
+                    // language of the server's lc_messages)
+                    Err(e @ DieselError::DatabaseError(..)) => {
+                        let now: Vec<PubRow> = diesel::sql_query(
+                            "SELECT true AS pubinsert, true AS pubupdate, true AS has_table \
+                             FROM pg_publication WHERE pubname = $1",
+                        )
+                        .bind::<Text, _>(&self.publication)
+                        .load(conn)
+                        .await?;
+                        if !now.is_empty() {
+                            // another relay created it meanwhile
+                            return Ok(());
+                        }
+                        let may: Flag = diesel::sql_query(
+                            "SELECT pg_has_role(current_user, c.relowner, 'USAGE') \
+                             AND has_database_privilege(current_database(), 'CREATE') AS flag \
+                             FROM pg_class c WHERE c.oid = to_regclass($1)",
+                        )
+                        .bind::<Text, _>(self.table.quoted())
+                        .get_result(conn)
+                        .await?;
+                        if may.flag == Some(false) {
+                            Err(WalError::PublicationRight {
+                                publication: self.publication.clone(),
+                                table: self.table.to_string(),
+                                source: e,
+                            })
+                        } else {
+                            Err(e.into())
+                        }
+                    }
+                    Err(e) => Err(e.into()),
+                }
+            }
+        }
+    }
+
+    /// Whether the slot exists; an error when it is not a usable slot of this database.
+    pub(super) async fn check_slot(&self, conn: &mut AsyncPgConnection) -> Result<bool, WalError> {
+        let found: Vec<SlotRow> = diesel::sql_query(
+            "SELECT s.plugin::text AS plugin, d.datname::text AS database, \
+             d.datname = current_database() AS here, s.wal_status, \
+             (s.confirmed_flush_lsn - '0/0'::pg_lsn)::bigint AS confirmed \
+             FROM pg_replication_slots s LEFT JOIN pg_database d ON d.oid = s.datoid \
+             WHERE s.slot_name = $1",
+        )
+        .bind::<Text, _>(&self.slot)
+        .load(conn)
+        .await?;
+        if let Some(s) = found.as_slice().first() {
+            if s.plugin.as_deref() != Some("pgoutput") || s.here != Some(true) {
+                return Err(WalError::SlotMismatch {
+                    slot: self.slot.clone(),
+                    found: format!(
+                        "a slot of plugin {} in database {}",
+                        s.plugin.as_deref().unwrap_or("none (physical)"),
+                        s.database.as_deref().unwrap_or("none")
+                    ),
+                });
+            }
+            if s.wal_status.as_deref() == Some("lost") || s.confirmed.is_none() {
+                return Err(WalError::SlotLost {
+                    slot: self.slot.clone(),
+                    state: s.wal_status.clone().unwrap_or_else(|| "invalid".into()),
+                });
+            }
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// Creates the slot with the SQL function (no snapshot): for a reader that reads with SQL.
+    pub(super) async fn create_slot_sql(
+        &self,
+        conn: &mut AsyncPgConnection,
+    ) -> Result<Option<Lsn>, WalError> {
+        let created: Result<Position, _> = diesel::sql_query(
+            "SELECT (lsn - '0/0'::pg_lsn)::bigint AS lsn \
+             FROM pg_create_logical_replication_slot($1, 'pgoutput')",
+        )
+        .bind::<Text, _>(&self.slot)
+        .get_result(conn)
+        .await;
+        match created {
+            Ok(p) => {
+                let at = Lsn(p.lsn.unwrap_or_default() as u64);
+                tracing::info!(slot = %self.slot, lsn = %at, "replication slot created");
+                Ok(Some(at))
+            }
+            // another reader created it meanwhile
+            Err(e) if self.check_slot(conn).await.unwrap_or(false) => {
+                tracing::debug!(slot = %self.slot, error = %e, "replication slot created meanwhile");
+                Ok(None)
+            }
+            Err(e) => Err(classify(conn, e, &self.slot).await),
+        }
+    }
+
+    /// Settles the released parked rows (`outbox-relay retry`) read in transactions confirmed
+    /// by `confirmed`: their `last_error` is cleared, so that the cleanup of captured rows, which
+    /// passes over rows with a `last_error`, may delete them. A released row keeps it until
+    /// then, so the cleanup cannot delete it before the reader has read the release.
+    pub async fn settle_released(
+        &mut self,
+        conn: &mut AsyncPgConnection,
+        confirmed: Lsn,
+    ) -> Result<(), WalError> {
+        let seqs: Vec<i64> = self
+            .released
+            .iter()
+            .filter(|(commit, _)| confirms(confirmed, *commit))
+            .map(|(_, seq)| *seq)
+            .collect();
+        if seqs.is_empty() {
+            return Ok(());
+        }
+        diesel::sql_query(format!(
+            "UPDATE {} SET last_error = NULL WHERE seq = ANY($1) AND parked_at IS NULL",
+            self.table.quoted()
+        ))
+        .bind::<Array<BigInt>, _>(&seqs)
+        .execute(conn)
+        .await?;
+        self.released
+            .retain(|(commit, _)| !confirms(confirmed, *commit));
+        Ok(())
+    }
+
+    /// The slot's confirmed position now.
+    pub async fn confirmed(&self, conn: &mut AsyncPgConnection) -> Result<Option<Lsn>, WalError> {
+        let p: Vec<Position> = diesel::sql_query(
+            "SELECT (confirmed_flush_lsn - '0/0'::pg_lsn)::bigint AS lsn \
+             FROM pg_replication_slots WHERE slot_name = $1",
+        )
+        .bind::<Text, _>(&self.slot)
+        .load(conn)
+        .await?;
+        Ok(p.as_slice()
+            .first()
+            .and_then(|p| p.lsn)
+            .map(|l| Lsn(l as u64)))
+    }
+}
+
+impl WalReader {
+    /// Ends a streaming reader's replication connection after telling the server the last
+    /// confirmed position, and confirms it on `conn` too, so that a clean stop leaves nothing
+    /// to read again. Reading afterwards connects again.
+    pub async fn close(&mut self, conn: &mut AsyncPgConnection) -> Result<(), WalError> {
+        if let Some(mut st) = self.stream.take() {
+            let stopped = tokio::time::timeout(Duration::from_secs(5), st.client.shutdown()).await;
+            if !matches!(stopped, Ok(Ok(()))) {
+                st.client.abort();
+            }
+        }
+        if self.streaming.is_none() || self.acked == Lsn(0) {
+            return Ok(());
+        }
+        // the sender lets go of the slot as it exits
+        for _ in 0..100 {
+            match self.advance_sql(conn, self.acked).await {
+                Err(e) if maybe_busy(&e) => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                other => {
+                    other?;
+                    return self.save_position(conn, self.acked).await;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Ends the walsender that holds `slot`, if any (not a SQL session that reads it for an
+/// instant, such as `outbox-relay status`).
+pub(super) async fn end_stale_sender(
+    conn: &mut AsyncPgConnection,
+    slot: &str,
+) -> Result<(), WalError> {
+    diesel::sql_query(
+        "SELECT pg_terminate_backend(s.active_pid) FROM pg_replication_slots s \
+         JOIN pg_stat_activity a ON a.pid = s.active_pid \
+         WHERE s.slot_name = $1 AND a.backend_type = 'walsender'",
+    )
+    .bind::<Text, _>(slot)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// A replication slot's state and how far it lags.
+#[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize)]
+pub struct SlotLag {
+    /// The slot.
+    #[diesel(sql_type = Text)]
+    pub slot: String,
+    /// Its confirmed position (`X/X`).
+    #[diesel(sql_type = Nullable<Text>)]
+    pub confirmed_flush_lsn: Option<String>,
+    /// Bytes of WAL written since its confirmed position: what a reader has yet to confirm.
+    #[diesel(sql_type = BigInt)]
+    pub lag_bytes: i64,
+    /// Bytes of WAL the slot keeps on disk (from its restart position).
+    #[diesel(sql_type = BigInt)]
+    pub retained_bytes: i64,
+    /// PostgreSQL's `wal_status`: `reserved`, `extended`, `unreserved` (about to be lost) or
+    /// `lost`.
+    #[diesel(sql_type = Nullable<Text>)]
+    pub wal_status: Option<String>,
+    /// Bytes that may still be written before the slot is lost to `max_slot_wal_keep_size`;
+    /// `None` when that setting is unlimited.
+    #[diesel(sql_type = Nullable<BigInt>)]
+    pub safe_wal_size: Option<i64>,
+    /// The relay session that holds the reader's lock.
+    #[diesel(sql_type = Nullable<Integer>)]
+    pub reader_pid: Option<i32>,
+}
+
+/// The lag of `slot`, or `None` when it does not exist.
+pub async fn slot_lag(
+    conn: &mut AsyncPgConnection,
+    slot: &str,
+) -> diesel::QueryResult<Option<SlotLag>> {
+    let rows: Vec<SlotLag> = diesel::sql_query(format!(
+        "SELECT s.slot_name::text AS slot, s.confirmed_flush_lsn::text AS confirmed_flush_lsn, \
+         COALESCE((pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint, 0) AS lag_bytes, \
+         COALESCE((pg_current_wal_lsn() - s.restart_lsn)::bigint, 0) AS retained_bytes, \
+         s.wal_status, s.safe_wal_size, \
+         (SELECT l.pid FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted \
+          AND l.objsubid = 2 AND l.classid = {SLOT_LOCK_KEY} AND l.objid = hashtext(s.slot_name::text)::oid \
+          AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) LIMIT 1) AS reader_pid \
+         FROM pg_replication_slots s WHERE s.slot_name = $1"
+    ))
+    .bind::<Text, _>(slot)
+    .load(conn)
+    .await?;
+    Ok(rows.into_iter().next())
+}

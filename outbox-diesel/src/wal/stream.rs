@@ -1,0 +1,326 @@
+//! The streaming reading path: a replication connection of the reader's own
+//! (`START_REPLICATION`), transactions received as they commit and handed over in parts
+//! within the read's limits, positions confirmed by standby status updates.
+
+use super::decode::Captured;
+use super::error::server_sqlstate;
+use super::slot::end_stale_sender;
+use super::*;
+
+/// Where and how a streaming reader connects.
+#[derive(Clone)]
+pub(super) struct StreamConfig {
+    pub(super) host: String,
+    pub(super) port: u16,
+    pub(super) user: String,
+    pub(super) password: String,
+    pub(super) database: String,
+    pub(super) tls: pgwire_replication::TlsConfig,
+    pub(super) wait: Duration,
+}
+
+/// Messages the replication client receives ahead of the reader at most: with the reader's
+/// own read (its byte and message limits), what a streaming reader holds.
+pub(super) const READ_AHEAD_MESSAGES: usize = 256;
+
+/// A streaming reader's replication connection and what it has received.
+pub(super) struct Stream {
+    pub(super) client: pgwire_replication::ReplicationClient,
+    /// The transaction being received, with its events not handed over yet.
+    pub(super) open: Option<Open>,
+    /// The end of the last commit received (of any transaction), or the server's position
+    /// from a keepalive between transactions: everything before it was received.
+    pub(super) received_to: Option<Lsn>,
+}
+
+/// The password is never shown.
+impl fmt::Debug for StreamConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StreamConfig")
+            .field("host", &self.host)
+            .field("port", &self.port)
+            .field("user", &self.user)
+            .field("password", &"***")
+            .field("database", &self.database)
+            .field("wait", &self.wait)
+            .finish()
+    }
+}
+
+impl fmt::Debug for Stream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Stream")
+            .field("received_to", &self.received_to)
+            .field("open", &self.open.as_ref().map(|o| (o.xid, o.rows.len())))
+            .finish_non_exhaustive()
+    }
+}
+
+/// A transaction being received by a streaming reader.
+pub(super) struct Open {
+    pub(super) xid: u32,
+    pub(super) commit_lsn: Lsn,
+    pub(super) commit_time: DateTime<Utc>,
+    /// Its events received and not handed over yet.
+    pub(super) rows: Vec<Captured>,
+    /// Whether a part of it was handed over: its commit is then returned even without rows
+    /// left, for its end.
+    pub(super) parted: bool,
+    /// Confirmed already (it ends at or before the confirmed position): passed over.
+    pub(super) stale: bool,
+}
+
+impl WalReader {
+    pub(super) async fn read_stream(
+        &mut self,
+        conn: &mut AsyncPgConnection,
+        cfg: &StreamConfig,
+        limit: usize,
+        max_bytes: usize,
+    ) -> Result<WalBatch, WalError> {
+        if self.stream.is_none() {
+            self.connect(conn, cfg).await?;
+        }
+        let Some(mut st) = self.stream.take() else {
+            return Ok(WalBatch::default());
+        };
+        let result = self.receive(&mut st, cfg, limit, max_bytes).await;
+        match result {
+            Ok((transactions, messages, caught_up)) => {
+                // never inside the transaction being received: `received_to` is a commit's
+                // end, or a position between transactions
+                let caught_up_to = if caught_up && st.open.is_none() {
+                    st.received_to
+                } else {
+                    transactions
+                        .iter()
+                        .rev()
+                        .find_map(|t| t.end_lsn)
+                        .or(st.received_to)
+                };
+                self.stream = Some(st);
+                let transactions = self.resolve(conn, transactions).await?;
+                Ok(WalBatch {
+                    transactions,
+                    caught_up_to,
+                    messages,
+                })
+            }
+            // the connection is gone: the next read connects again from the confirmed position
+            Err(e) => {
+                st.client.abort();
+                Err(e)
+            }
+        }
+    }
+
+    /// Receives until `limit` messages or `max_bytes` of them, or until nothing more is ready
+    /// (after waiting up to `cfg.wait` for the first message). A limit reached inside a
+    /// transaction hands over its events received so far as a part; the rest follows on later
+    /// reads. Returns the transactions (and parts) with events, the messages received, and
+    /// whether it stopped for want of more.
+    pub(super) async fn receive(
+        &mut self,
+        st: &mut Stream,
+        cfg: &StreamConfig,
+        limit: usize,
+        max_bytes: usize,
+    ) -> Result<(Vec<Read>, usize, bool), WalError> {
+        use pgwire_replication::ReplicationEvent as Event;
+        let deadline = tokio::time::Instant::now() + cfg.wait;
+        let mut transactions = Vec::new();
+        let mut messages = 0usize;
+        let mut bytes = 0usize;
+        loop {
+            if messages >= limit || bytes >= max_bytes {
+                if let Some(open) = st.open.as_mut()
+                    && !open.rows.is_empty()
+                {
+                    open.parted = true;
+                    transactions.push(Read {
+                        xid: open.xid,
+                        commit_lsn: open.commit_lsn,
+                        end_lsn: None,
+                        commit_time: open.commit_time,
+                        captured: std::mem::take(&mut open.rows),
+                    });
+                }
+                return Ok((transactions, messages, false));
+            }
+            // wait for the first message; then take what is ready (a transaction being
+            // received is finished on a later read if it is not all here yet)
+            let until = if messages == 0 {
+                deadline
+            } else {
+                tokio::time::Instant::now()
+            };
+            let event = match tokio::time::timeout_at(until, st.client.recv()).await {
+                Err(_) => return Ok((transactions, messages, true)),
+                Ok(Ok(Some(e))) => e,
+                Ok(Ok(None)) => {
+                    return Err(self.stream_error("the server ended the replication stream"));
+                }
+                Ok(Err(e)) => return Err(self.stream_error(e)),
+            };
+            match event {
+                Event::Begin {
+                    xid,
+                    final_lsn,
+                    commit_time_micros,
+                } => {
+                    messages += 1;
+                    let commit_lsn = Lsn(final_lsn.0);
+                    st.open = Some(Open {
+                        xid,
+                        commit_lsn,
+                        // the protocol's own Begin: PostgreSQL's epoch, not decoded by `pgoutput`
+                        commit_time: pgoutput::pg_time(commit_time_micros),
+                        rows: Vec::new(),
+                        parted: false,
+                        stale: confirms(self.acked, commit_lsn),
+                    });
+                }
+                Event::XLogData { data, .. } => {
+                    messages += 1;
+                    bytes += data.len();
+                    let message = pgoutput::decode(&data)?;
+                    let rows = st.open.as_mut().filter(|o| !o.stale).map(|o| &mut o.rows);
+                    self.capture(message, rows)?;
+                }
+                Event::Commit { end_lsn, .. } => {
+                    messages += 1;
+                    let end = Lsn(end_lsn.0);
+                    st.received_to = st.received_to.max(Some(end));
+                    // Begin carried the commit time already
+                    if let Some(open) = st.open.take()
+                        && (!open.rows.is_empty() || open.parted)
+                        && !open.stale
+                        && end > self.acked
+                    {
+                        transactions.push(Read {
+                            xid: open.xid,
+                            commit_lsn: open.commit_lsn,
+                            end_lsn: Some(end),
+                            commit_time: open.commit_time,
+                            captured: open.rows,
+                        });
+                    }
+                }
+                Event::KeepAlive { wal_end, .. } => {
+                    if st.open.is_none() {
+                        st.received_to = st.received_to.max(Some(Lsn(wal_end.0)));
+                    }
+                }
+                Event::Message { .. } | Event::StoppedAt { .. } => {}
+            }
+        }
+    }
+
+    pub(super) fn stream_error(&self, reason: impl fmt::Display) -> WalError {
+        WalError::Stream {
+            slot: self.slot.clone(),
+            reason: reason.to_string(),
+        }
+    }
+
+    /// Opens the replication connection at the confirmed position. A replication connection
+    /// still holding the slot after its relay lost the slot's lock (a paused or cut-off
+    /// reader, whose sender lingers until `wal_sender_timeout`) is ended first: the caller
+    /// holds the lock now.
+    pub(super) async fn connect(
+        &mut self,
+        conn: &mut AsyncPgConnection,
+        cfg: &StreamConfig,
+    ) -> Result<(), WalError> {
+        let confirmed = self.confirmed(conn).await?.unwrap_or_default();
+        self.acked = self.acked.max(confirmed);
+        let mut tries = 0;
+        loop {
+            let config = self.replication_config(cfg);
+            let started = async {
+                crate::ensure_crypto_provider();
+                let mut client = pgwire_replication::ReplicationClient::connect(config).await?;
+                client.wait_started().await?;
+                Ok::<_, pgwire_replication::PgWireError>(client)
+            };
+            match started.await {
+                Ok(client) => {
+                    self.relations.clear();
+                    self.stream = Some(Stream {
+                        client,
+                        open: None,
+                        received_to: None,
+                    });
+                    tracing::debug!(slot = %self.slot, lsn = %self.acked, "replication stream started");
+                    return Ok(());
+                }
+                // object_in_use: the slot's previous sender has not ended yet
+                Err(e) if server_sqlstate(&e) == Some("55006") && tries < 50 => {
+                    tries += 1;
+                    end_stale_sender(conn, &self.slot).await?;
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => return Err(self.connection_error(e)),
+            }
+        }
+    }
+
+    pub(super) fn replication_config(
+        &self,
+        cfg: &StreamConfig,
+    ) -> pgwire_replication::ReplicationConfig {
+        pgwire_replication::ReplicationConfig::new(
+            cfg.host.clone(),
+            cfg.user.clone(),
+            cfg.password.clone(),
+            cfg.database.clone(),
+            self.slot.clone(),
+            // `publication_names` is a list of identifiers: quoted, a name keeps its case and
+            // may hold any character
+            quote_ident(&self.publication),
+        )
+        .with_port(cfg.port)
+        .with_tls(cfg.tls.clone())
+        .with_start_lsn(pgwire_replication::Lsn(self.acked.0))
+        .with_ack_lsn(pgwire_replication::Lsn(self.acked.0))
+        .with_status_interval(Duration::from_secs(1))
+        .with_buffer_size(READ_AHEAD_MESSAGES)
+        .with_options("-c TimeZone=UTC -c DateStyle=ISO,YMD")
+        .with_application_name("outbox-relay")
+    }
+
+    pub(super) fn connection_error(&self, e: pgwire_replication::PgWireError) -> WalError {
+        let reason = e.to_string();
+        // insufficient_privilege (no REPLICATION) or an invalid authorization (pg_hba.conf,
+        // credentials): retrying cannot fix them. Decided on the code, which does not change
+        // with the server's lc_messages.
+        let refused = matches!(e, pgwire_replication::PgWireError::Auth(_))
+            || matches!(server_sqlstate(&e), Some(code) if code == "42501" || code.starts_with("28"));
+        if refused {
+            WalError::ReplicationConnection {
+                slot: self.slot.clone(),
+                reason,
+            }
+        } else {
+            self.stream_error(reason)
+        }
+    }
+
+    /// Checks that a streaming reader may open its replication connection (the role's
+    /// `REPLICATION` attribute, `pg_hba.conf`, a free sender), without touching the slot: a
+    /// start-up check, so that what retrying cannot fix is a clear error at once. Does nothing
+    /// for a reader that reads with SQL.
+    pub async fn check_replication(&self) -> Result<(), WalError> {
+        let Some(cfg) = &self.streaming else {
+            return Ok(());
+        };
+        crate::ensure_crypto_provider();
+        let mut client =
+            pgwire_replication::ReplicationClient::connect_gated(self.replication_config(cfg))
+                .await
+                .map_err(|e| self.connection_error(e))?;
+        let identified = client.identify_system().await;
+        client.abort();
+        identified.map(drop).map_err(|e| self.connection_error(e))
+    }
+}
