@@ -63,6 +63,13 @@ struct Args {
     /// Backlog drained for the memory section.
     #[arg(long, default_value_t = 1_000_000)]
     memory_backlog: usize,
+    /// Rows of one aggregate held back behind its parked row, for the poll-cost section.
+    #[arg(long, default_value_t = 1_000_000)]
+    held_back: usize,
+    /// Rows of 900 KB payloads (under NATS's default 1 MiB `max_payload`) drained for the
+    /// memory section.
+    #[arg(long, default_value_t = 500)]
+    large_rows: usize,
     /// Seconds per write-path measurement.
     #[arg(long, default_value_t = 5)]
     seconds: u64,
@@ -134,6 +141,8 @@ async fn main() -> Result<()> {
         args.kept = vec![200_000];
         args.repeat = 1;
         args.memory_backlog = 100_000;
+        args.held_back = 100_000;
+        args.large_rows = 200;
         args.seconds = 3;
     }
     let db_name = format!("outbox_bench_{}", std::process::id());
@@ -916,6 +925,53 @@ impl Bench {
             backlog / empty,
             self.poll_time(500).await?
         );
+        let held = self.args.held_back;
+        self.hold_back(held).await?;
+        let t = self.poll_time(1).await?;
+        println!(
+            "| same + {held} rows of one aggregate held back behind its parked row | {t:.3} | {:.2} | {:.3} |",
+            t / empty,
+            self.poll_time(500).await?
+        );
+        Ok(())
+    }
+
+    /// A hot aggregate's row parked with `n` later rows of it recorded, held back the way the
+    /// relay holds them (`outbox_diesel::relay::hold_back`), then vacuumed.
+    async fn hold_back(&self, n: usize) -> Result<()> {
+        use diesel::RunQueryDsl;
+        let mut conn = PgConnection::establish(&self.db_url)?;
+        diesel::sql_query("SET synchronous_commit = off").execute(&mut conn)?;
+        diesel::sql_query(format!(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, attempts, last_error, parked_at) \
+             SELECT gen_random_uuid(), 'order', 'hot', 'order.placed', \
+             jsonb_build_object('i', i, 'note', repeat('x', 230)), \
+             CASE WHEN i = 0 THEN 5 ELSE 0 END, CASE WHEN i = 0 THEN 'rejected' END, \
+             CASE WHEN i = 0 THEN now() END FROM generate_series(0, {n}) i"
+        ))
+        .execute(&mut conn)?;
+        #[derive(QueryableByName)]
+        struct Seq {
+            #[diesel(sql_type = diesel::sql_types::BigInt)]
+            seq: i64,
+        }
+        let seqs: Vec<i64> = diesel::sql_query(
+            "SELECT seq FROM outbox WHERE aggregate_id = 'hot' AND parked_at IS NULL ORDER BY seq",
+        )
+        .load::<Seq>(&mut conn)?
+        .into_iter()
+        .map(|s| s.seq)
+        .collect();
+        let mut aconn = AsyncPgConnection::establish(&self.db_url).await?;
+        let table = outbox_diesel::OutboxTable::DEFAULT;
+        let mut held = 0;
+        for chunk in seqs.chunks(50_000) {
+            held += outbox_diesel::relay::hold_back(&mut aconn, &table, chunk).await?;
+        }
+        if held != n {
+            bail!("held back {held} rows of {n}");
+        }
+        diesel::sql_query("VACUUM ANALYZE outbox").execute(&mut conn)?;
         Ok(())
     }
 
@@ -978,12 +1034,57 @@ impl Bench {
         println!("| relay | backlog | drained in | events/s | peak RSS |");
         println!("|---|---|---|---|---|");
         self.memory_run(n, None).await?;
+        self.memory_large(self.args.large_rows, "ordered").await?;
+        self.memory_large(self.args.large_rows, "unordered").await?;
         if self.wal_level()? == "logical" {
             self.memory_run(n, Some(100)).await?;
             self.memory_run(n, Some(n)).await?;
         } else {
             println!("| log-tailing | skipped: `wal_level` is not `logical` | | | |");
         }
+        Ok(())
+    }
+
+    /// One drain of `n` rows of 900 KB payloads by a relay in `mode` with its defaults
+    /// (`--max-batch-bytes` 8 MiB; unordered: 4 workers), sampling its peak RSS.
+    async fn memory_large(&mut self, n: usize, mode: &str) -> Result<()> {
+        use diesel::RunQueryDsl;
+        self.reset_outbox()?;
+        let mut conn = PgConnection::establish(&self.db_url)?;
+        diesel::sql_query("SET synchronous_commit = off").execute(&mut conn)?;
+        for start in (0..n).step_by(50) {
+            // 900 KB of JSON text each: 28,125 md5 digests of 32 characters
+            diesel::sql_query(format!(
+                "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+                 SELECT gen_random_uuid(), 'blob', 'blob-' || (i % 100), 'blob.stored', \
+                 jsonb_build_object('i', i, 'data', repeat(md5(i::text), 28125)) \
+                 FROM generate_series({start}, {}) i",
+                (start + 50).min(n) - 1
+            ))
+            .execute(&mut conn)?;
+        }
+        let (name, prefix) = ("BENCH_MEM_LARGE", "benchmemlarge");
+        self.stream(name, prefix).await?;
+        let args = ["--mode", mode, "--no-cleanup"].map(String::from);
+        let child = self.spawn_relay(name, prefix, &args)?;
+        let start = Instant::now();
+        let mut aconn = AsyncPgConnection::establish(&self.db_url).await?;
+        let mut peak_kb = 0u64;
+        while self.left(&mut aconn, false, name, n).await? {
+            peak_kb = peak_kb.max(vm_hwm_kb(child.id()).unwrap_or(0));
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if start.elapsed() > Duration::from_secs(900) {
+                bail!("the relay did not drain the large rows in 15 minutes");
+            }
+        }
+        peak_kb = peak_kb.max(vm_hwm_kb(child.id()).unwrap_or(0));
+        let elapsed = start.elapsed().as_secs_f64();
+        drop(child);
+        println!(
+            "| {mode}, 900 KB payloads | {n} | {elapsed:.1} s | {:.0} | {:.1} MiB |",
+            n as f64 / elapsed,
+            peak_kb as f64 / 1024.0
+        );
         Ok(())
     }
 
