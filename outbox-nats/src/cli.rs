@@ -1,6 +1,8 @@
 //! Command-line arguments shared by the `outbox-relay` binary and services built on this crate
 //! (feature `cli`): the NATS connection flags and the database flags, defined once, with the
-//! environment variables every NATS tool and libpq user knows.
+//! environment variables every NATS tool and libpq user knows, and the relay's flags
+//! ([`RelayArgs`]), so that a service embedding the relay takes the flags `outbox-relay run`
+//! takes.
 //!
 //! ```
 //! use clap::Parser;
@@ -18,11 +20,13 @@
 //! ```
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::Args;
 use outbox_diesel::OutboxTable;
 
-use crate::{NatsOptions, redact_url};
+use crate::publish::subject::SubjectTemplate;
+use crate::{Mode, NatsOptions, RelayConfig, redact_url};
 
 /// The NATS connection: `--nats-url` (a seed list too) and the credentials and TLS flags,
 /// each with its `NATS_*` environment variable. Its `Debug` shows no secret.
@@ -112,6 +116,192 @@ impl std::fmt::Debug for DbArgs {
     }
 }
 
+/// The relay's flags, as `outbox-relay run` takes them, each with its environment variable;
+/// [`RelayArgs::config`] makes the [`RelayConfig`].
+#[derive(Debug, Args)]
+#[non_exhaustive]
+pub struct RelayArgs {
+    /// The database and the outbox table.
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// The NATS connection.
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    /// JetStream stream; created (subjects `{prefix}.>`) when missing.
+    #[arg(long, env = "OUTBOX_STREAM", default_value = "OUTBOX")]
+    pub stream: String,
+    /// First subject token; the stream captures `{prefix}.>`.
+    #[arg(long, env = "OUTBOX_SUBJECT_PREFIX", default_value = "outbox")]
+    pub subject_prefix: String,
+    /// Subject of each event, from `{prefix}`, `{aggregate_type}`, `{aggregate_id}`, `{event_type}`.
+    #[arg(
+        long,
+        env = "OUTBOX_SUBJECT_TEMPLATE",
+        default_value = "{prefix}.{aggregate_type}.{aggregate_id}"
+    )]
+    pub subject_template: SubjectTemplate,
+    /// How rows are read.
+    #[arg(long, env = "OUTBOX_MODE", value_enum, default_value_t = Mode::Ordered)]
+    pub mode: Mode,
+    /// Partitions of the table (ordered mode), each published by one relay at a time.
+    /// Every relay of a table must run with the same count.
+    #[arg(long, env = "OUTBOX_PARTITIONS", default_value_t = 1)]
+    pub partitions: u32,
+    /// Competing workers in this process (unordered mode).
+    #[arg(long, env = "OUTBOX_WORKERS", default_value_t = 4)]
+    pub workers: u32,
+    /// How long a paused or cut-off relay keeps its partitions before another takes them.
+    #[arg(long, env = "OUTBOX_LEASE", default_value = "15s", value_parser = humantime::parse_duration)]
+    pub lease: Duration,
+    /// Rows read per query.
+    #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = 500)]
+    pub batch_size: usize,
+    /// Unacked publishes in flight at most.
+    #[arg(long, env = "OUTBOX_MAX_IN_FLIGHT", default_value_t = 512)]
+    pub max_in_flight: usize,
+    /// Payload bytes a batch holds at most. Polling modes: a query stops taking rows once
+    /// their payloads reach it (one row is always taken); the relay holds about three batches
+    /// (two per unordered worker). Log tailing: the events read and not acked stay within it,
+    /// a larger transaction published in parts. Bounds the relay's memory for any payload and
+    /// transaction size.
+    #[arg(long, env = "OUTBOX_MAX_BATCH_BYTES", default_value_t = 8 << 20)]
+    pub max_batch_bytes: usize,
+    /// How often an idle relay polls (`250ms`, `5s`).
+    #[arg(long, env = "OUTBOX_POLL_INTERVAL", default_value = "100ms", value_parser = humantime::parse_duration)]
+    pub poll_interval: Duration,
+    /// Do not LISTEN for the recording side's NOTIFY; poll only.
+    #[arg(long, env = "OUTBOX_NO_LISTEN")]
+    pub no_listen: bool,
+    /// Publish with `Nats-Expected-Last-Subject-Sequence` (ordered and log-tailing modes), so
+    /// that JetStream refuses an event that a relay resumed after a pause longer than the
+    /// duplicate window would store again after newer ones of its aggregate. Costs throughput
+    /// (a look-up per subject new to the relay); see BENCHMARKS.md, section 7.
+    #[arg(long, env = "OUTBOX_FENCE")]
+    pub fence: bool,
+    /// Duplicate window of a stream the relay creates (`2m`).
+    #[arg(long, env = "OUTBOX_DUPLICATE_WINDOW", default_value = "2m", value_parser = humantime::parse_duration)]
+    pub duplicate_window: Duration,
+    /// Replicas of a stream the relay creates (1 to 5; 3 on a three-node JetStream cluster).
+    #[arg(long, env = "OUTBOX_STREAM_REPLICAS", default_value_t = 1)]
+    pub stream_replicas: usize,
+    /// Failed attempts after which a row JetStream keeps rejecting is parked.
+    #[arg(long, env = "OUTBOX_MAX_ATTEMPTS", default_value_t = 5)]
+    pub max_attempts: u32,
+    /// How long to retry the first connections before exiting.
+    #[arg(long, env = "OUTBOX_STARTUP_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub startup_timeout: Duration,
+    /// Warn (and set the `outbox_stalled` gauge) when the oldest unpublished row is older
+    /// than this.
+    #[arg(long, env = "OUTBOX_STALL_AFTER", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub stall_after: Duration,
+    /// How often the backlog gauges are refreshed from the database.
+    #[arg(long, env = "OUTBOX_STATS_INTERVAL", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub stats_interval: Duration,
+    /// The log-tailing mode's flags.
+    #[command(flatten)]
+    pub log_tailing: LogTailingArgs,
+    /// The cleanup of published rows.
+    #[command(flatten)]
+    pub cleanup: CleanupArgs,
+}
+
+impl RelayArgs {
+    /// The relay's configuration from these flags (not validated: [`RelayConfig::validate`]
+    /// and [`Relay::run`](crate::Relay::run) check it).
+    pub fn config(&self) -> RelayConfig {
+        let mut config = RelayConfig::new(self.db.database_url.clone())
+            .table(self.db.table.clone())
+            .stream(self.stream.clone())
+            .subject_prefix(self.subject_prefix.clone())
+            .subject_template(self.subject_template.clone())
+            .partitions(self.partitions)
+            .batch_size(self.batch_size)
+            .poll_interval(self.poll_interval)
+            .duplicate_window(self.duplicate_window)
+            .stream_replicas(self.stream_replicas)
+            .listen(!self.no_listen)
+            .fence(self.fence)
+            .startup_timeout(self.startup_timeout)
+            .lease(self.lease);
+        config.mode = self.mode;
+        config.slot = self.log_tailing.slot.clone();
+        config.publication = self.log_tailing.publication.clone();
+        config.recover_slot = self.log_tailing.recover_slot;
+        config.slot_lag_warn_bytes = self.log_tailing.slot_lag_warn_bytes;
+        config.captured_retention = self.log_tailing.captured_retention;
+        config.captured_cleanup_interval = self.log_tailing.captured_cleanup_interval;
+        config.workers = self.workers;
+        config.max_in_flight = self.max_in_flight;
+        config.max_batch_bytes = self.max_batch_bytes;
+        config.max_attempts = self.max_attempts;
+        config.stall_after = self.stall_after;
+        config.stats_interval = self.stats_interval;
+        config.cleanup = !self.cleanup.no_cleanup;
+        config.delete_published = self.cleanup.delete_published;
+        config.retention = self.cleanup.retention;
+        config.cleanup_interval = self.cleanup.cleanup_interval;
+        config.cleanup_batch = self.cleanup.cleanup_batch;
+        config.archive_table = self.cleanup.archive_table.clone();
+        config
+    }
+}
+
+/// The log-tailing mode's flags.
+#[derive(Debug, Args)]
+#[non_exhaustive]
+pub struct LogTailingArgs {
+    /// Replication slot read in log-tailing mode (default `{table}_slot`); created when missing.
+    #[arg(long, env = "OUTBOX_SLOT")]
+    pub slot: Option<String>,
+    /// Publication read in log-tailing mode (default `{table}_pub`); created when missing.
+    #[arg(long, env = "OUTBOX_PUBLICATION")]
+    pub publication: Option<String>,
+    /// Warn when the slot's unconfirmed WAL exceeds this many bytes (log-tailing mode).
+    #[arg(long, env = "OUTBOX_SLOT_LAG_WARN_BYTES", default_value_t = 1 << 30)]
+    pub slot_lag_warn_bytes: u64,
+    /// When the slot is missing although the relay read it before (dropped, or lost in a
+    /// failover), make a new one and publish again every row still in the table and not
+    /// parked, instead of stopping (log-tailing mode). Pass it once, after the error said so.
+    #[arg(long, env = "OUTBOX_RECOVER_SLOT")]
+    pub recover_slot: bool,
+    /// How long captured rows stay in the table before deletion (log-tailing mode).
+    #[arg(long, env = "OUTBOX_CAPTURED_RETENTION", default_value = "1h", value_parser = humantime::parse_duration)]
+    pub captured_retention: Duration,
+    /// How often captured rows are deleted (log-tailing mode).
+    #[arg(long, env = "OUTBOX_CAPTURED_CLEANUP_INTERVAL", default_value = "1m", value_parser = humantime::parse_duration)]
+    pub captured_cleanup_interval: Duration,
+}
+
+/// The run flags of cleanup (ordered and unordered modes).
+#[derive(Debug, Args)]
+#[non_exhaustive]
+pub struct CleanupArgs {
+    /// Keep published rows this long before deleting them (`0` = at the first cleanup after
+    /// their publish).
+    #[arg(long, env = "OUTBOX_RETENTION", default_value = "5m", value_parser = humantime::parse_duration)]
+    pub retention: Duration,
+    /// How often published rows are deleted.
+    #[arg(long, env = "OUTBOX_CLEANUP_INTERVAL", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub cleanup_interval: Duration,
+    /// Rows deleted per statement (one short transaction each).
+    #[arg(long, env = "OUTBOX_CLEANUP_BATCH", default_value_t = 5000)]
+    pub cleanup_batch: usize,
+    /// Do not delete published rows (another relay or a cron job does).
+    #[arg(long, env = "OUTBOX_NO_CLEANUP")]
+    pub no_cleanup: bool,
+    /// Delete each row as soon as JetStream acked it instead of marking it published: no
+    /// published history, the least database work per event.
+    #[arg(
+        long,
+        env = "OUTBOX_DELETE_PUBLISHED",
+        conflicts_with = "archive_table"
+    )]
+    pub delete_published: bool,
+    /// Move published rows into this table instead of deleting them.
+    #[arg(long, env = "OUTBOX_ARCHIVE_TABLE")]
+    pub archive_table: Option<OutboxTable>,
+}
+
 #[cfg(test)]
 mod tests {
     use clap::Parser;
@@ -144,5 +334,42 @@ mod tests {
             assert!(!shown.contains(secret), "{secret} in {shown}");
         }
         assert!(shown.contains("relay"), "{shown}");
+    }
+
+    #[derive(Parser)]
+    struct Run {
+        #[command(flatten)]
+        relay: RelayArgs,
+    }
+
+    #[test]
+    fn relay_flags_make_the_config_they_name() {
+        let run = Run::parse_from([
+            "outbox-relay",
+            "--database-url",
+            "postgres://relay@db/app",
+            "--mode",
+            "log-tailing",
+            "--partitions",
+            "4",
+            "--slot",
+            "s1",
+            "--retention",
+            "1h",
+            "--no-cleanup",
+            "--fence",
+            "--max-batch-bytes",
+            "1024",
+        ]);
+        let config = run.relay.config();
+        assert_eq!(config.mode, Mode::LogTailing);
+        assert_eq!(config.partitions, 4);
+        assert_eq!(config.slot.as_deref(), Some("s1"));
+        assert_eq!(config.retention, std::time::Duration::from_secs(3600));
+        assert!(!config.cleanup);
+        assert!(config.fence);
+        assert_eq!(config.max_batch_bytes, 1024);
+        assert_eq!(config.database_url, "postgres://relay@db/app");
+        assert_eq!(config.stream, "OUTBOX");
     }
 }

@@ -12,10 +12,9 @@ use clap::{Args, Parser, Subcommand};
 use diesel_async::AsyncPgConnection;
 use outbox_diesel::OutboxTable;
 use outbox_diesel::relay as db;
-use outbox_nats::cli::{DbArgs, NatsArgs};
+use outbox_nats::cli::{DbArgs, RelayArgs};
 use outbox_nats::operations;
-use outbox_nats::subject::SubjectTemplate;
-use outbox_nats::{Mode, NatsOptions, Relay, RelayConfig, redact_url};
+use outbox_nats::{Mode, NatsOptions, Relay, redact_url};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
 
@@ -62,35 +61,6 @@ struct CleanupCmdArgs {
     archive_table: Option<OutboxTable>,
 }
 
-/// The run flags of cleanup (ordered and unordered modes).
-#[derive(Debug, Args)]
-struct CleanupArgs {
-    /// Keep published rows this long before deleting them (`0` = at the first cleanup after
-    /// their publish).
-    #[arg(long, env = "OUTBOX_RETENTION", default_value = "5m", value_parser = humantime::parse_duration)]
-    retention: Duration,
-    /// How often published rows are deleted.
-    #[arg(long, env = "OUTBOX_CLEANUP_INTERVAL", default_value = "10s", value_parser = humantime::parse_duration)]
-    cleanup_interval: Duration,
-    /// Rows deleted per statement (one short transaction each).
-    #[arg(long, env = "OUTBOX_CLEANUP_BATCH", default_value_t = 5000)]
-    cleanup_batch: usize,
-    /// Do not delete published rows (another relay or a cron job does).
-    #[arg(long, env = "OUTBOX_NO_CLEANUP")]
-    no_cleanup: bool,
-    /// Delete each row as soon as JetStream acked it instead of marking it published: no
-    /// published history, the least database work per event.
-    #[arg(
-        long,
-        env = "OUTBOX_DELETE_PUBLISHED",
-        conflicts_with = "archive_table"
-    )]
-    delete_published: bool,
-    /// Move published rows into this table instead of deleting them.
-    #[arg(long, env = "OUTBOX_ARCHIVE_TABLE")]
-    archive_table: Option<OutboxTable>,
-}
-
 #[derive(Debug, Args)]
 struct ParkedArgs {
     #[command(flatten)]
@@ -122,114 +92,13 @@ struct RetryArgs {
 #[derive(Debug, Args)]
 struct RunArgs {
     #[command(flatten)]
-    db: DbArgs,
-    #[command(flatten)]
-    nats: NatsArgs,
-    /// JetStream stream; created (subjects `{prefix}.>`) when missing.
-    #[arg(long, env = "OUTBOX_STREAM", default_value = "OUTBOX")]
-    stream: String,
-    /// First subject token; the stream captures `{prefix}.>`.
-    #[arg(long, env = "OUTBOX_SUBJECT_PREFIX", default_value = "outbox")]
-    subject_prefix: String,
-    /// Subject of each event, from `{prefix}`, `{aggregate_type}`, `{aggregate_id}`, `{event_type}`.
-    #[arg(
-        long,
-        env = "OUTBOX_SUBJECT_TEMPLATE",
-        default_value = "{prefix}.{aggregate_type}.{aggregate_id}"
-    )]
-    subject_template: SubjectTemplate,
-    /// How rows are read.
-    #[arg(long, env = "OUTBOX_MODE", value_enum, default_value_t = Mode::Ordered)]
-    mode: Mode,
-    /// Partitions of the table (ordered mode), each published by one relay at a time.
-    /// Every relay of a table must run with the same count.
-    #[arg(long, env = "OUTBOX_PARTITIONS", default_value_t = 1)]
-    partitions: u32,
-    /// Competing workers in this process (unordered mode).
-    #[arg(long, env = "OUTBOX_WORKERS", default_value_t = 4)]
-    workers: u32,
-    /// How long a paused or cut-off relay keeps its partitions before another takes them.
-    #[arg(long, env = "OUTBOX_LEASE", default_value = "15s", value_parser = humantime::parse_duration)]
-    lease: Duration,
-    /// Rows read per query.
-    #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = 500)]
-    batch_size: usize,
-    /// Unacked publishes in flight at most.
-    #[arg(long, env = "OUTBOX_MAX_IN_FLIGHT", default_value_t = 512)]
-    max_in_flight: usize,
-    /// Payload bytes a batch holds at most. Polling modes: a query stops taking rows once
-    /// their payloads reach it (one row is always taken); the relay holds about three batches
-    /// (two per unordered worker). Log tailing: the events read and not acked stay within it,
-    /// a larger transaction published in parts. Bounds the relay's memory for any payload and
-    /// transaction size.
-    #[arg(long, env = "OUTBOX_MAX_BATCH_BYTES", default_value_t = 8 << 20)]
-    max_batch_bytes: usize,
-    /// How often an idle relay polls (`250ms`, `5s`).
-    #[arg(long, env = "OUTBOX_POLL_INTERVAL", default_value = "100ms", value_parser = humantime::parse_duration)]
-    poll_interval: Duration,
-    /// Do not LISTEN for the recording side's NOTIFY; poll only.
-    #[arg(long, env = "OUTBOX_NO_LISTEN")]
-    no_listen: bool,
-    /// Publish with `Nats-Expected-Last-Subject-Sequence` (ordered and log-tailing modes), so
-    /// that JetStream refuses an event that a relay resumed after a pause longer than the
-    /// duplicate window would store again after newer ones of its aggregate. Costs throughput
-    /// (a look-up per subject new to the relay); see BENCHMARKS.md, section 7.
-    #[arg(long, env = "OUTBOX_FENCE")]
-    fence: bool,
-    /// Duplicate window of a stream the relay creates (`2m`).
-    #[arg(long, env = "OUTBOX_DUPLICATE_WINDOW", default_value = "2m", value_parser = humantime::parse_duration)]
-    duplicate_window: Duration,
-    /// Replicas of a stream the relay creates (1 to 5; 3 on a three-node JetStream cluster).
-    #[arg(long, env = "OUTBOX_STREAM_REPLICAS", default_value_t = 1)]
-    stream_replicas: usize,
-    /// Failed attempts after which a row JetStream keeps rejecting is parked.
-    #[arg(long, env = "OUTBOX_MAX_ATTEMPTS", default_value_t = 5)]
-    max_attempts: u32,
-    /// How long to retry the first connections before exiting.
-    #[arg(long, env = "OUTBOX_STARTUP_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
-    startup_timeout: Duration,
-    /// Warn (and set the `outbox_stalled` gauge) when the oldest unpublished row is older
-    /// than this.
-    #[arg(long, env = "OUTBOX_STALL_AFTER", default_value = "30s", value_parser = humantime::parse_duration)]
-    stall_after: Duration,
-    /// How often the backlog gauges are refreshed from the database.
-    #[arg(long, env = "OUTBOX_STATS_INTERVAL", default_value = "5s", value_parser = humantime::parse_duration)]
-    stats_interval: Duration,
+    relay: RelayArgs,
     /// Serve /metrics, /healthz and /readyz on this address (e.g. 127.0.0.1:9187).
     #[arg(long, env = "OUTBOX_METRICS_ADDR")]
     metrics_addr: Option<SocketAddr>,
     /// Log format.
     #[arg(long, env = "OUTBOX_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
-    #[command(flatten)]
-    log_tailing: LogTailingArgs,
-    #[command(flatten)]
-    cleanup: CleanupArgs,
-}
-
-/// The log-tailing mode's flags.
-#[derive(Debug, Args)]
-struct LogTailingArgs {
-    /// Replication slot read in log-tailing mode (default `{table}_slot`); created when missing.
-    #[arg(long, env = "OUTBOX_SLOT")]
-    slot: Option<String>,
-    /// Publication read in log-tailing mode (default `{table}_pub`); created when missing.
-    #[arg(long, env = "OUTBOX_PUBLICATION")]
-    publication: Option<String>,
-    /// Warn when the slot's unconfirmed WAL exceeds this many bytes (log-tailing mode).
-    #[arg(long, env = "OUTBOX_SLOT_LAG_WARN_BYTES", default_value_t = 1 << 30)]
-    slot_lag_warn_bytes: u64,
-    /// When the slot is missing although the relay read it before (dropped, or lost in a
-    /// failover), make a new one and publish again every row still in the table and not
-    /// parked, instead of stopping (log-tailing mode). Pass it once, after the error said so.
-    #[arg(long, env = "OUTBOX_RECOVER_SLOT")]
-    recover_slot: bool,
-    /// How long captured rows stay in the table before deletion (log-tailing mode).
-    #[arg(long, env = "OUTBOX_CAPTURED_RETENTION", default_value = "1h", value_parser = humantime::parse_duration)]
-    captured_retention: Duration,
-    /// How often captured rows are deleted (log-tailing mode).
-    #[arg(long, env = "OUTBOX_CAPTURED_CLEANUP_INTERVAL", default_value = "1m", value_parser = humantime::parse_duration)]
-    captured_cleanup_interval: Duration,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -309,50 +178,18 @@ fn init_tracing(format: LogFormat) {
 
 async fn run(args: RunArgs) -> ExitCode {
     init_tracing(args.log_format);
-    let mut config = RelayConfig::new(args.db.database_url.clone())
-        .table(args.db.table.clone())
-        .stream(args.stream.clone())
-        .subject_prefix(args.subject_prefix.clone())
-        .subject_template(args.subject_template.clone())
-        .partitions(args.partitions)
-        .batch_size(args.batch_size)
-        .poll_interval(args.poll_interval)
-        .duplicate_window(args.duplicate_window)
-        .stream_replicas(args.stream_replicas)
-        .listen(!args.no_listen)
-        .fence(args.fence)
-        .startup_timeout(args.startup_timeout);
-    config.mode = args.mode;
-    config.slot = args.log_tailing.slot.clone();
-    config.publication = args.log_tailing.publication.clone();
-    config.recover_slot = args.log_tailing.recover_slot;
-    config.slot_lag_warn_bytes = args.log_tailing.slot_lag_warn_bytes;
-    config.captured_retention = args.log_tailing.captured_retention;
-    config.captured_cleanup_interval = args.log_tailing.captured_cleanup_interval;
-    config.workers = args.workers;
-    config = config.lease(args.lease);
-    config.max_in_flight = args.max_in_flight;
-    config.max_batch_bytes = args.max_batch_bytes;
-    config.max_attempts = args.max_attempts;
-    config.stall_after = args.stall_after;
-    config.stats_interval = args.stats_interval;
-    config.cleanup = !args.cleanup.no_cleanup;
-    config.delete_published = args.cleanup.delete_published;
-    config.retention = args.cleanup.retention;
-    config.cleanup_interval = args.cleanup.cleanup_interval;
-    config.cleanup_batch = args.cleanup.cleanup_batch;
-    config.archive_table = args.cleanup.archive_table.clone();
+    let config = args.relay.config();
     if let Err(e) = config.validate() {
         error!("invalid configuration: {e}");
         return ExitCode::from(2);
     }
-    let nats = args.nats.options();
+    let nats = args.relay.nats.options();
     info!(
-        database = %redact_url(&args.db.database_url),
-        nats = %redact_url(&args.nats.nats_url),
+        database = %redact_url(&args.relay.db.database_url),
+        nats = %redact_url(&args.relay.nats.nats_url),
         "connecting"
     );
-    let client = match connect_nats(&nats, args.startup_timeout).await {
+    let client = match connect_nats(&nats, args.relay.startup_timeout).await {
         Ok(c) => c,
         Err(e) => {
             error!("{e}");
