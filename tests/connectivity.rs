@@ -581,6 +581,20 @@ async fn leader_kills(kills: usize) {
         );
         let committed = writer.stop();
         check_stream(&stream, committed, mode != "unordered").await;
+        // the fault suite's checker over the table and the stream: every count 0
+        if mode != "log-tailing" {
+            wait_until(TIMEOUT, "every row marked published", || async {
+                db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL") == 0
+            })
+            .await;
+        }
+        let report = support::checker::check(&db, &stream).await;
+        eprintln!("{mode}: {report}");
+        match mode {
+            "ordered" => report.assert_exact_and_ordered(),
+            "unordered" => report.assert_exact(),
+            _ => report.assert_captured_in_order(),
+        }
         let js = stream.js().await;
         let replicas = js
             .get_stream(&stream.name)
