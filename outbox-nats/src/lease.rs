@@ -67,13 +67,17 @@ impl Lease {
         loop {
             tokio::select! {
                 out = &mut work => return Ok(out),
-                _ = tick.tick() => {
-                    let started = Instant::now();
-                    db::keep_alive(conn).await?;
-                    self.confirm(started);
-                }
+                _ = tick.tick() => self.renew(conn).await?,
             }
         }
+    }
+
+    /// Queries the session now: its answer confirms the lease from the moment it was asked.
+    pub(crate) async fn renew(&self, conn: &mut AsyncPgConnection) -> diesel::QueryResult<()> {
+        let started = Instant::now();
+        db::keep_alive(conn).await?;
+        self.confirm(started);
+        Ok(())
     }
 
     /// Queries the session when a third of the lease has passed since it last answered, so
@@ -88,9 +92,7 @@ impl Lease {
             .unwrap_or_else(|e| e.into_inner())
             .is_none_or(|t| t.elapsed() >= self.duration / 3);
         if due {
-            let started = Instant::now();
-            db::keep_alive(conn).await?;
-            self.confirm(started);
+            self.renew(conn).await?;
         }
         Ok(())
     }

@@ -373,11 +373,7 @@ impl Tailing {
                 BatchEnd::LeaseUnconfirmed => lease.renew_if_due(conn).await?,
                 // a newer message on a subject: the session answers (or the slot is lost to
                 // another reader), then the page again, its rows looked up
-                BatchEnd::Fenced => {
-                    let started = Instant::now();
-                    outbox_diesel::relay::keep_alive(conn).await?;
-                    lease.confirm(started);
-                }
+                BatchEnd::Fenced => lease.renew(conn).await?,
                 BatchEnd::Transient => {
                     if !backoff.sleep(&self.shutdown).await {
                         return Ok(false);
@@ -535,11 +531,7 @@ impl Tailing {
                 BatchEnd::Done | BatchEnd::LeaseUnconfirmed => {}
                 // a newer message on a subject: the session answers (or the slot is lost to
                 // another reader), then the transactions again from the confirmed position
-                BatchEnd::Fenced => {
-                    let started = Instant::now();
-                    outbox_diesel::relay::keep_alive(conn).await?;
-                    lease.confirm(started);
-                }
+                BatchEnd::Fenced => lease.renew(conn).await?,
                 BatchEnd::Transient => {
                     if !backoff.sleep(&self.shutdown).await {
                         break;
@@ -618,9 +610,7 @@ impl Tailing {
                 break;
             }
             if !lease.is_valid() {
-                let started = Instant::now();
-                outbox_diesel::relay::keep_alive(conn).await?;
-                lease.confirm(started);
+                lease.renew(conn).await?;
             }
             pipe.send(row).await;
         }
