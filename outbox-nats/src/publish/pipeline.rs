@@ -77,6 +77,8 @@ struct Sent {
     /// headers carry no `Nats-Expected-Last-Sequence`.
     fence_only: bool,
     created_at: chrono::DateTime<chrono::Utc>,
+    /// Its payload's length, counted against the byte budget while in flight.
+    bytes: usize,
 }
 
 /// A publish's ack, or (for a row found in the stream) an answer at hand, so that both come
@@ -113,6 +115,9 @@ pub(crate) struct Pipeline<'a> {
     fence: Option<Fence>,
     acked: Vec<i64>,
     end: Option<BatchEnd>,
+    /// The payload bytes of the publishes in flight: with the batches being read, within
+    /// `max_batch_bytes`, so that slow acks cannot pile messages up in memory.
+    in_flight_bytes: usize,
 }
 
 impl<'a> Pipeline<'a> {
@@ -139,6 +144,7 @@ impl<'a> Pipeline<'a> {
             fence,
             acked: Vec::new(),
             end: None,
+            in_flight_bytes: 0,
         }
     }
 
@@ -215,11 +221,13 @@ impl<'a> Pipeline<'a> {
                 &row.event_type,
             )
         });
+        let bytes = row.payload.as_str().len();
         while self.end.is_none()
             && !self.acks.is_empty()
             && (self.keys.contains(&key)
                 || subject.as_ref().is_some_and(|s| self.subjects.contains(s))
-                || self.acks.len() >= self.cfg.max_in_flight)
+                || self.acks.len() >= self.cfg.max_in_flight
+                || self.in_flight_bytes + bytes > self.cfg.max_batch_bytes)
         {
             self.next_ack().await;
         }
@@ -260,7 +268,9 @@ impl<'a> Pipeline<'a> {
         match self.js.send_publish(msg.subject, publish).await {
             Ok(ack) => {
                 self.acks.push_back(Either::Left(ack.into_future()));
+                self.in_flight_bytes += bytes;
                 self.sent.push_back(Sent {
+                    bytes,
                     seq: row.seq,
                     attempts: row.attempts,
                     created_at: row.created_at,
@@ -335,6 +345,7 @@ impl<'a> Pipeline<'a> {
         self.acks
             .push_back(Either::Right(std::future::ready(Ok(PublishAck::default()))));
         self.sent.push_back(Sent {
+            bytes: 0,
             seq: row.seq,
             attempts: row.attempts,
             created_at: row.created_at,
@@ -350,6 +361,7 @@ impl<'a> Pipeline<'a> {
         if let Some(result) = self.acks.next().await
             && let Some(sent) = self.sent.pop_front()
         {
+            self.in_flight_bytes = self.in_flight_bytes.saturating_sub(sent.bytes);
             self.on_ack(sent, result);
         }
     }
