@@ -36,7 +36,6 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -144,7 +143,6 @@ impl Candidate {
 #[derive(Clone, Debug)]
 struct Snapshot {
     text: String,
-    xmin: u64,
     xmax: u64,
     xip: Vec<u64>,
 }
@@ -157,7 +155,7 @@ impl Snapshot {
                 .next()
                 .ok_or_else(|| anyhow!("not a pg_snapshot: {text:?}"))
         };
-        let xmin = next()?.parse()?;
+        let _xmin: u64 = next()?.parse()?;
         let xmax = next()?.parse()?;
         let xip = next()?
             .split(',')
@@ -166,7 +164,6 @@ impl Snapshot {
             .collect::<Result<Vec<u64>, _>>()?;
         Ok(Snapshot {
             text: text.to_owned(),
-            xmin,
             xmax,
             xip,
         })
@@ -237,16 +234,62 @@ impl Backends {
     }
 }
 
-/// What the run's tasks share.
-struct Shared {
-    written: AtomicU64,
-    consumed: AtomicU64,
-    writing_done: AtomicBool,
-    drained: AtomicBool,
-    held_consumed: AtomicBool,
-    held_committed: AtomicBool,
-    batches: AtomicU64,
+/// What the run's tasks share. In a module of its own: `diesel_async::RunQueryDsl`, in scope
+/// elsewhere, has a `load` of its own for every type.
+mod shared {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+    #[derive(Default)]
+    pub struct Shared {
+        written: AtomicU64,
+        consumed: AtomicU64,
+        batches: AtomicU64,
+        writing_done: AtomicBool,
+        drained: AtomicBool,
+        held_consumed: AtomicBool,
+    }
+
+    impl Shared {
+        pub fn written(&self) -> u64 {
+            self.written.load(Ordering::SeqCst)
+        }
+        pub fn add_written(&self, n: u64) {
+            self.written.fetch_add(n, Ordering::SeqCst);
+        }
+        pub fn consumed(&self) -> u64 {
+            self.consumed.load(Ordering::SeqCst)
+        }
+        /// Counts a batch of `n` rows.
+        pub fn add_consumed(&self, n: u64) {
+            self.consumed.fetch_add(n, Ordering::SeqCst);
+            if n > 0 {
+                self.batches.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        pub fn batches(&self) -> u64 {
+            self.batches.load(Ordering::SeqCst)
+        }
+        pub fn writing_done(&self) -> bool {
+            self.writing_done.load(Ordering::SeqCst)
+        }
+        pub fn set_writing_done(&self) {
+            self.writing_done.store(true, Ordering::SeqCst);
+        }
+        pub fn drained(&self) -> bool {
+            self.drained.load(Ordering::SeqCst)
+        }
+        pub fn set_drained(&self) {
+            self.drained.store(true, Ordering::SeqCst);
+        }
+        pub fn held_consumed(&self) -> bool {
+            self.held_consumed.load(Ordering::SeqCst)
+        }
+        pub fn set_held_consumed(&self) {
+            self.held_consumed.store(true, Ordering::SeqCst);
+        }
+    }
 }
+use shared::Shared;
 
 const HELD_AGGREGATE: &str = "held-open";
 
@@ -430,22 +473,18 @@ async fn run_in_database(
     candidate: Candidate,
     tx_size: usize,
 ) -> Result<Figures> {
-    use diesel::RunQueryDsl as _;
     let mut admin = PgConnection::establish(&format!("{}/postgres", args.pg))
         .with_context(|| format!("cannot reach PostgreSQL at {}; set BENCH_PG", args.pg))?;
-    diesel::sql_query(format!("CREATE DATABASE {db}"))
-        .execute(&mut admin)
+    sync_execute(&mut admin, &format!("CREATE DATABASE {db}"))
         .context("cannot create the benchmark's database")?;
     let url = format!("{}/{db}", args.pg);
     let result = run(args, &url, candidate, tx_size).await;
-    let _ = diesel::sql_query(format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
-        .execute(&mut admin);
+    let _ = sync_execute(&mut admin, &format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"));
     result
 }
 
 /// The table as the candidate needs it, made by today's migration first.
 fn set_up(url: &str, candidate: Candidate, args: &Args, span: u64) -> Result<()> {
-    use diesel::RunQueryDsl as _;
     let mut conn = PgConnection::establish(url).context("cannot reach the new database")?;
     outbox_diesel::run_migrations(&mut conn)
         .map_err(|e| anyhow!("cannot apply the outbox migration: {e}"))?;
@@ -482,36 +521,41 @@ fn set_up(url: &str, candidate: Candidate, args: &Args, span: u64) -> Result<()>
         }
     }
     for sql in &ddl {
-        diesel::sql_query(sql.as_str())
-            .execute(&mut conn)
-            .with_context(|| format!("set-up failed: {sql}"))?;
+        sync_execute(&mut conn, sql).with_context(|| format!("set-up failed: {sql}"))?;
     }
     if candidate == Candidate::Snapshots {
         // the first partitions: from the start to two spans past the next transaction id
-        let next: TextValue =
-            diesel::sql_query("SELECT pg_snapshot_xmax(pg_current_snapshot())::text AS v")
-                .get_result(&mut conn)?;
-        let next: u64 = next.v.parse()?;
+        let next: u64 = <diesel::query_builder::SqlQuery as diesel::RunQueryDsl<PgConnection>>::get_result::<TextValue>(
+            diesel::sql_query("SELECT pg_snapshot_xmax(pg_current_snapshot())::text AS v"),
+            &mut conn,
+        )?
+        .v
+        .parse()?;
         for (i, (lo, hi)) in [(None, next + span), (Some(next + span), next + 2 * span)]
             .into_iter()
             .enumerate()
         {
             let from = lo.map_or("MINVALUE".to_owned(), |l: u64| format!("'{l}'"));
-            diesel::sql_query(format!(
-                "CREATE TABLE outbox_p{i} PARTITION OF outbox FOR VALUES FROM ({from}) TO ('{hi}')"
-            ))
-            .execute(&mut conn)?;
-            diesel::sql_query(format!(
-                "ALTER TABLE outbox_p{i} SET (autovacuum_enabled = false)"
-            ))
-            .execute(&mut conn)?;
+            sync_execute(
+                &mut conn,
+                &format!(
+                    "CREATE TABLE outbox_p{i} PARTITION OF outbox FOR VALUES FROM ({from}) TO ('{hi}')"
+                ),
+            )?;
+            sync_execute(
+                &mut conn,
+                &format!("ALTER TABLE outbox_p{i} SET (autovacuum_enabled = false)"),
+            )?;
         }
     } else {
-        diesel::sql_query("ALTER TABLE outbox SET (autovacuum_enabled = false)")
-            .execute(&mut conn)?;
+        sync_execute(&mut conn, "ALTER TABLE outbox SET (autovacuum_enabled = false)")?;
     }
-    diesel::sql_query("CHECKPOINT").execute(&mut conn)?;
+    sync_execute(&mut conn, "CHECKPOINT")?;
     Ok(())
+}
+
+fn sync_execute(conn: &mut PgConnection, sql: &str) -> diesel::QueryResult<usize> {
+    diesel::RunQueryDsl::execute(diesel::sql_query(sql), conn)
 }
 
 /// Today's table, partitioned by the inserting transaction's id, with no index on
@@ -557,15 +601,7 @@ async fn run(args: &Args, url: &str, candidate: Candidate, tx_size: usize) -> Re
     let xids_per_sec = args.rate / tx_size.max(1) as u64 + 200;
     let span = (xids_per_sec as f64 * args.retention.as_secs_f64()).max(2000.0) as u64;
     set_up(url, candidate, args, span)?;
-    let shared = Arc::new(Shared {
-        written: AtomicU64::new(0),
-        consumed: AtomicU64::new(0),
-        writing_done: AtomicBool::new(false),
-        drained: AtomicBool::new(false),
-        held_consumed: AtomicBool::new(false),
-        held_committed: AtomicBool::new(false),
-        batches: AtomicU64::new(0),
-    });
+    let shared = Arc::new(Shared::default());
     let mut backends = Backends::default();
     let mut writer_conns = Vec::new();
     for _ in 0..args.writers {
@@ -645,23 +681,23 @@ async fn run(args: &Args, url: &str, candidate: Candidate, tx_size: usize) -> Re
     for w in writers {
         kept.push(w.await??);
     }
-    let rate = shared.written.load(Ordering::Relaxed) as f64 / args.seconds as f64;
+    let rate = shared.written() as f64 / args.seconds as f64;
     if let Some(h) = held {
         kept.push(h.await??);
     }
-    shared.writing_done.store(true, Ordering::SeqCst);
+    shared.set_writing_done();
     if let Some(r) = reader {
         kept.push(r.await??);
     }
-    shared.drained.store(true, Ordering::SeqCst);
+    shared.set_drained();
     let (maint_conn, leftover) = maintenance.await??;
     kept.push(maint_conn);
     let cpu_after = backends.cpu();
     let load_after = load_average();
     drop(kept);
 
-    let events = shared.written.load(Ordering::Relaxed);
-    let consumed = shared.consumed.load(Ordering::Relaxed);
+    let events = shared.written();
+    let consumed = shared.consumed();
     let per_event = |i: usize| (cpu_after[i] - cpu_before[i]) * 1e6 / events.max(1) as f64;
     // the sessions are closed: their statistics have reached the server
     tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -680,7 +716,7 @@ async fn run(args: &Args, url: &str, candidate: Candidate, tx_size: usize) -> Re
     )
     .get_result(&mut conn)
     .await?;
-    let batches = shared.batches.load(Ordering::Relaxed);
+    let batches = shared.batches();
     Ok(Figures {
         candidate,
         tx_size,
@@ -695,7 +731,7 @@ async fn run(args: &Args, url: &str, candidate: Candidate, tx_size: usize) -> Re
         },
         updates: stats.upd,
         hot_updates: stats.hot,
-        held: with_reader.then(|| shared.held_consumed.load(Ordering::SeqCst)),
+        held: with_reader.then(|| shared.held_consumed()),
         leftover,
         load_before,
         load_after,
@@ -743,9 +779,7 @@ async fn writer(
             .values(&rows)
             .execute(&mut conn)
             .await?;
-        shared
-            .written
-            .fetch_add(tx_size as u64, Ordering::Relaxed);
+        shared.add_written(tx_size as u64);
     }
     Ok(conn)
 }
@@ -762,41 +796,35 @@ async fn held_open(mut conn: AsyncPgConnection, shared: Arc<Shared>) -> Result<A
     .bind::<Text, _>(HELD_AGGREGATE)
     .execute(&mut conn)
     .await?;
-    let from = shared.consumed.load(Ordering::SeqCst);
+    let from = shared.consumed();
     let deadline = Instant::now() + Duration::from_secs(30);
-    while shared.consumed.load(Ordering::SeqCst) < from + 2000
+    while shared.consumed() < from + 2000
         && Instant::now() < deadline
-        && !shared.writing_done.load(Ordering::SeqCst)
+        && !shared.writing_done()
     {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     conn.batch_execute("COMMIT").await?;
-    shared.written.fetch_add(1, Ordering::Relaxed);
-    shared.held_committed.store(true, Ordering::SeqCst);
+    shared.add_written(1);
     Ok(conn)
 }
 
 /// Counts a consumed batch; the publish is replaced by nothing.
 fn consume(shared: &Shared, rows: &[OutboxRow]) {
     if rows.iter().any(|r| r.aggregate_id == HELD_AGGREGATE) {
-        shared.held_consumed.store(true, Ordering::SeqCst);
+        shared.set_held_consumed();
     }
-    shared
-        .consumed
-        .fetch_add(rows.len() as u64, Ordering::Relaxed);
-    if !rows.is_empty() {
-        shared.batches.fetch_add(1, Ordering::Relaxed);
-    }
+    shared.add_consumed(rows.len() as u64);
 }
 
 /// Whether the reader has nothing left to do: writing is over and every row is consumed
 /// (or it has waited long enough for the rest).
 fn drained(shared: &Shared, since: &mut Option<Instant>) -> bool {
-    if !shared.writing_done.load(Ordering::SeqCst) {
+    if !shared.writing_done() {
         return false;
     }
     let start = *since.get_or_insert_with(Instant::now);
-    shared.consumed.load(Ordering::SeqCst) >= shared.written.load(Ordering::SeqCst)
+    shared.consumed() >= shared.written()
         || start.elapsed() > Duration::from_secs(120)
 }
 
@@ -1031,7 +1059,7 @@ impl Maintenance {
         let mut parts = self.partitions(&mut conn).await?;
         let mut drain_start: Option<Instant> = None;
         loop {
-            let draining = shared.drained.load(Ordering::SeqCst);
+            let draining = shared.drained();
             match self.candidate {
                 Candidate::Marked => loop {
                     let n = relay::delete_published(
