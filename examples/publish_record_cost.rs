@@ -599,7 +599,8 @@ async fn connect(url: &str) -> Result<(AsyncPgConnection, i32)> {
 async fn run(args: &Args, url: &str, candidate: Candidate, tx_size: usize) -> Result<Figures> {
     // transaction ids per second: the writers' and a margin for the reader and the cleanup
     let xids_per_sec = args.rate / tx_size.max(1) as u64 + 200;
-    let span = (xids_per_sec as f64 * args.retention.as_secs_f64()).max(2000.0) as u64;
+    // a partition per 5 s of transactions (or per retention, when longer)
+    let span = (xids_per_sec as f64 * args.retention.as_secs_f64().max(5.0)) as u64;
     set_up(url, candidate, args, span)?;
     let shared = Arc::new(Shared::default());
     let mut backends = Backends::default();
@@ -649,7 +650,7 @@ async fn run(args: &Args, url: &str, candidate: Candidate, tx_size: usize) -> Re
             shared,
         )));
     }
-    let held = held_conn.map(|conn| tokio::spawn(held_open(conn, shared.clone())));
+    let held = held_conn.map(|conn| tokio::spawn(held_open(conn, args.rate, stop_at, shared.clone())));
     let reader = reader_conn.map(|conn| {
         let shared = shared.clone();
         let (batch, poll) = (args.batch, args.poll_interval);
@@ -784,9 +785,14 @@ async fn writer(
     Ok(conn)
 }
 
-/// A transaction that inserts a row, stays open while at least 2,000 later rows are
-/// consumed, then commits.
-async fn held_open(mut conn: AsyncPgConnection, shared: Arc<Shared>) -> Result<AsyncPgConnection> {
+/// A transaction that inserts a row, stays open while a second's worth of later rows
+/// (`rate`) commit and are consumed, then commits before the writers stop.
+async fn held_open(
+    mut conn: AsyncPgConnection,
+    rate: u64,
+    stop_at: Instant,
+    shared: Arc<Shared>,
+) -> Result<AsyncPgConnection> {
     tokio::time::sleep(Duration::from_secs(1)).await;
     conn.batch_execute("BEGIN").await?;
     diesel::sql_query(
@@ -797,11 +803,8 @@ async fn held_open(mut conn: AsyncPgConnection, shared: Arc<Shared>) -> Result<A
     .execute(&mut conn)
     .await?;
     let from = shared.consumed();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while shared.consumed() < from + 2000
-        && Instant::now() < deadline
-        && !shared.writing_done()
-    {
+    let deadline = stop_at.checked_sub(Duration::from_secs(1)).unwrap_or(stop_at);
+    while shared.consumed() < from + rate && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     conn.batch_execute("COMMIT").await?;
@@ -1171,8 +1174,9 @@ impl Maintenance {
 
     /// PgQ's rotation with partitions by `txid` range: a partition whose every transaction
     /// finished and was read (its upper bound at or below the consumer's `xmin`) and has been
-    /// so for the retention is truncated; one is kept ready beyond the next transaction id,
-    /// recycled from a truncated one (detached, attached with the next range) or made new.
+    /// so for the retention is truncated; one is kept ready beyond the next transaction id.
+    /// The truncated partitions stay attached (empty) until the run ends: detaching them
+    /// (`DETACH … CONCURRENTLY`, then `DROP`) would be a rarer task of its own.
     async fn rotate(
         &self,
         conn: &mut AsyncPgConnection,
@@ -1208,32 +1212,17 @@ impl Maintenance {
         }
         let top = parts.iter().map(|p| p.hi).max().unwrap_or(next_xid);
         if !draining && top < next_xid + self.span {
+            // made beside the table, then attached: `ATTACH PARTITION` takes a lock that
+            // writers do not wait for (`CREATE TABLE … PARTITION OF`, `DETACH` and `DROP` of a
+            // partition would lock out every writer, and wait for every open transaction)
             let (lo, hi) = (top, top + self.span);
-            let reuse = parts
-                .iter()
-                .position(|p| p.truncated)
-                .and_then(|i| parts.remove(i));
-            let name = match reuse {
-                Some(p) => {
-                    conn.batch_execute(&format!(
-                        "BEGIN; ALTER TABLE outbox DETACH PARTITION {0}; \
-                         ALTER TABLE outbox ATTACH PARTITION {0} FOR VALUES FROM ('{lo}') TO ('{hi}'); \
-                         COMMIT",
-                        p.name
-                    ))
-                    .await?;
-                    p.name
-                }
-                None => {
-                    let name = format!("outbox_p{}", parts.len() + 100);
-                    conn.batch_execute(&format!(
-                        "CREATE TABLE {name} PARTITION OF outbox FOR VALUES FROM ('{lo}') TO ('{hi}'); \
-                         ALTER TABLE {name} SET (autovacuum_enabled = false)"
-                    ))
-                    .await?;
-                    name
-                }
-            };
+            let name = format!("outbox_p{}", parts.len());
+            conn.batch_execute(&format!(
+                "CREATE TABLE {name} (LIKE outbox INCLUDING DEFAULTS INCLUDING GENERATED \
+                 INCLUDING CONSTRAINTS) WITH (autovacuum_enabled = false); \
+                 ALTER TABLE outbox ATTACH PARTITION {name} FOR VALUES FROM ('{lo}') TO ('{hi}')"
+            ))
+            .await?;
             parts.push_back(Part {
                 name,
                 hi,
