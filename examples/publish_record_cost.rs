@@ -182,8 +182,60 @@ struct BigValue {
     v: i64,
 }
 
+/// A bind parameter of a [`Stmt`].
+enum Bind<'a> {
+    Big(i64),
+    Text(&'a str),
+    Texts(&'a [String]),
+    Bigs(&'a [i64]),
+}
+
+/// A statement written as text with its parameters between the pieces, prepared once per
+/// session as the relay's own statements are (diesel's `sql_query` is parsed and planned
+/// again on every call).
+struct Stmt<'a> {
+    pieces: &'a [&'a str],
+    binds: Vec<Bind<'a>>,
+}
+
+impl<'a> Stmt<'a> {
+    fn new(pieces: &'a [&'a str], binds: Vec<Bind<'a>>) -> Self {
+        Stmt { pieces, binds }
+    }
+}
+
+impl diesel::query_builder::QueryId for Stmt<'_> {
+    type QueryId = ();
+    const HAS_STATIC_QUERY_ID: bool = false;
+}
+
+impl diesel::query_builder::Query for Stmt<'_> {
+    type SqlType = diesel::sql_types::Untyped;
+}
+
+impl diesel::query_builder::QueryFragment<diesel::pg::Pg> for Stmt<'_> {
+    fn walk_ast<'b>(
+        &'b self,
+        mut out: diesel::query_builder::AstPass<'_, 'b, diesel::pg::Pg>,
+    ) -> diesel::QueryResult<()> {
+        for (i, piece) in self.pieces.iter().enumerate() {
+            out.push_sql(piece);
+            match self.binds.get(i) {
+                Some(Bind::Big(v)) => out.push_bind_param::<BigInt, _>(v)?,
+                Some(Bind::Text(v)) => out.push_bind_param::<Text, _>(v)?,
+                Some(Bind::Texts(v)) => out.push_bind_param::<Array<Text>, _>(v)?,
+                Some(Bind::Bigs(v)) => out.push_bind_param::<Array<BigInt>, _>(v)?,
+                None => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<Conn> diesel::RunQueryDsl<Conn> for Stmt<'_> {}
+
 async fn text_value(conn: &mut AsyncPgConnection, sql: &str) -> Result<String> {
-    let row: TextValue = diesel::sql_query(sql).get_result(conn).await?;
+    let row: TextValue = Stmt::new(&[sql], Vec::new()).get_result(conn).await?;
     Ok(row.v)
 }
 
@@ -870,9 +922,6 @@ async fn read_today(
     }
 }
 
-const ROW_COLUMNS: &str =
-    "seq, id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, attempts";
-
 /// Candidate 2: a watermark `W` (the highest `seq` read) and the snapshot `S` it was set at.
 /// Every row at or below `W` that was committed and visible at `S` has been read, so an unread
 /// row at or below `W` belongs to a transaction in progress at `S` (in its `xip` list) or
@@ -897,42 +946,58 @@ async fn read_hot(
             .get_result(&mut conn)
             .await?;
     let (mut watermark, mut prev) = (c.watermark, Snapshot::parse(&c.snap)?);
-    let fetch = format!(
-        "SELECT {ROW_COLUMNS} FROM ( \
-           (SELECT {ROW_COLUMNS} FROM outbox WHERE seq <= $1 \
-              AND (txid = ANY($2::text[]::xid8[]) OR txid >= $3::xid8) \
-              AND published_at IS NULL AND parked_at IS NULL) \
+    let fetch = [
+        "SELECT seq, id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, \
+         attempts FROM ( \
+           (SELECT * FROM outbox WHERE seq <= ",
+        " AND (txid = ANY(",
+        "::text[]::xid8[]) OR txid >= ",
+        "::xid8) AND published_at IS NULL AND parked_at IS NULL) \
            UNION ALL \
-           (SELECT {ROW_COLUMNS} FROM outbox WHERE seq > $1 \
-              AND published_at IS NULL AND parked_at IS NULL ORDER BY seq LIMIT $4) \
-         ) o ORDER BY seq"
-    );
+           (SELECT * FROM outbox WHERE seq > ",
+        " AND published_at IS NULL AND parked_at IS NULL ORDER BY seq LIMIT ",
+        ")) o ORDER BY seq",
+    ];
+    let mark = [
+        "WITH marked AS (UPDATE outbox SET published_at = now() \
+           WHERE seq = ANY(",
+        ") AND published_at IS NULL) \
+         UPDATE relay_cursor SET watermark = ",
+        ", snap = ",
+        "::pg_snapshot WHERE part = 0",
+    ];
     let mut since = None;
     let mut saved = Instant::now();
     loop {
         // taken before the fetch, whose own snapshot sees at least as much
         let cur = current_snapshot(&mut conn).await?;
         let xip: Vec<String> = prev.xip.iter().map(u64::to_string).collect();
-        let rows: Vec<OutboxRow> = diesel::sql_query(&fetch)
-            .bind::<BigInt, _>(watermark)
-            .bind::<Array<Text>, _>(&xip)
-            .bind::<Text, _>(prev.xmax.to_string())
-            .bind::<BigInt, _>(batch)
-            .load(&mut conn)
-            .await?;
+        let xmax = prev.xmax.to_string();
+        let rows: Vec<OutboxRow> = Stmt::new(
+            &fetch,
+            vec![
+                Bind::Big(watermark),
+                Bind::Texts(&xip),
+                Bind::Text(&xmax),
+                Bind::Big(watermark),
+                Bind::Big(batch),
+            ],
+        )
+        .load(&mut conn)
+        .await?;
         consume(&shared, &rows);
         let new_watermark = rows.iter().map(|r| r.seq).max().unwrap_or(0).max(watermark);
         let seqs: Vec<i64> = rows.iter().map(|r| r.seq).collect();
         if !rows.is_empty() || saved.elapsed() > Duration::from_secs(1) {
             // the mark and the cursor in one statement, one transaction
-            diesel::sql_query(
-                "WITH marked AS (UPDATE outbox SET published_at = now() \
-                   WHERE seq = ANY($1) AND published_at IS NULL) \
-                 UPDATE relay_cursor SET watermark = $2, snap = $3::pg_snapshot WHERE part = 0",
+            Stmt::new(
+                &mark,
+                vec![
+                    Bind::Bigs(&seqs),
+                    Bind::Big(new_watermark),
+                    Bind::Text(&cur.text),
+                ],
             )
-            .bind::<Array<BigInt>, _>(&seqs)
-            .bind::<BigInt, _>(new_watermark)
-            .bind::<Text, _>(&cur.text)
             .execute(&mut conn)
             .await?;
             saved = Instant::now();
@@ -966,46 +1031,52 @@ async fn read_snapshots(
         )
         .await?,
     )?;
-    let batch_sql = format!(
-        "SELECT {ROW_COLUMNS} FROM outbox \
-           WHERE txid >= $1::xid8 AND txid < $2::xid8 \
-             AND pg_visible_in_snapshot(txid, $3::pg_snapshot) \
-             AND NOT pg_visible_in_snapshot(txid, $4::pg_snapshot) \
-         UNION ALL \
-         SELECT {ROW_COLUMNS} FROM outbox WHERE txid = ANY($5::text[]::xid8[]) \
-         ORDER BY seq"
-    );
+    const COLUMNS: &str = "SELECT seq, id, aggregate_type, aggregate_id, event_type, payload, \
+                           headers, created_at, attempts FROM outbox";
+    let batch_sql = [
+        &format!("{COLUMNS} WHERE txid >= "),
+        "::xid8 AND txid < ",
+        "::xid8 AND pg_visible_in_snapshot(txid, ",
+        "::pg_snapshot) AND NOT pg_visible_in_snapshot(txid, ",
+        &format!("::pg_snapshot) UNION ALL {COLUMNS} WHERE txid = ANY("),
+        "::text[]::xid8[]) ORDER BY seq",
+    ];
+    let progress = [
+        "UPDATE relay_consumer SET snap = ",
+        "::pg_snapshot, at = now() WHERE part = 0",
+    ];
     let mut since = None;
     let mut saved = Instant::now();
     loop {
         let cur = current_snapshot(&mut conn).await?;
         let (start, listed) = batch_bounds(&prev, &cur);
         let listed: Vec<String> = listed.iter().map(u64::to_string).collect();
-        let rows: Vec<OutboxRow> = diesel::sql_query(&batch_sql)
-            .bind::<Text, _>(start.to_string())
-            .bind::<Text, _>(cur.xmax.to_string())
-            .bind::<Text, _>(&cur.text)
-            .bind::<Text, _>(&prev.text)
-            .bind::<Array<Text>, _>(&listed)
-            .load(&mut conn)
-            .await?;
+        let (start, end) = (start.to_string(), cur.xmax.to_string());
+        let rows: Vec<OutboxRow> = Stmt::new(
+            &batch_sql,
+            vec![
+                Bind::Text(&start),
+                Bind::Text(&end),
+                Bind::Text(&cur.text),
+                Bind::Text(&prev.text),
+                Bind::Texts(&listed),
+            ],
+        )
+        .load(&mut conn)
+        .await?;
         consume(&shared, &rows);
         if !rows.is_empty() || saved.elapsed() > Duration::from_secs(1) {
-            diesel::sql_query(
-                "UPDATE relay_consumer SET snap = $1::pg_snapshot, at = now() WHERE part = 0",
-            )
-            .bind::<Text, _>(&cur.text)
-            .execute(&mut conn)
-            .await?;
+            Stmt::new(&progress, vec![Bind::Text(&cur.text)])
+                .execute(&mut conn)
+                .await?;
             saved = Instant::now();
         }
         prev = cur;
-        if rows.is_empty() {
-            if drained(&shared, &mut since) {
-                return Ok(conn);
-            }
-            tokio::time::sleep(poll).await;
+        // a batch takes every row there is: wait for more after each
+        if rows.is_empty() && drained(&shared, &mut since) {
+            return Ok(conn);
         }
+        tokio::time::sleep(poll).await;
     }
 }
 
@@ -1196,9 +1267,8 @@ impl Maintenance {
         .await?
         .parse()?;
         for p in parts.iter_mut() {
-            // at the end of the run no writer is left, so the partition holding the last
-            // rows may go too once they are read
-            let done = p.hi <= consumer_xmin || (draining && next_xid <= consumer_xmin);
+            // at the end of the run no writer is left and the reader has read every row
+            let done = p.hi <= consumer_xmin || draining;
             if done && p.done_since.is_none() {
                 p.done_since = Some(Instant::now());
             }
