@@ -468,12 +468,7 @@ fn print_table(all: &[Figures]) {
                 .filter(|f| f.tx_size == tx && f.candidate == c)
                 .collect()
         };
-        let base = median(
-            of(Candidate::Baseline)
-                .iter()
-                .map(|f| f.total())
-                .collect(),
-        );
+        let base = median(of(Candidate::Baseline).iter().map(|f| f.total()).collect());
         for c in Candidate::ALL {
             let runs = of(c);
             if runs.is_empty() {
@@ -531,7 +526,10 @@ async fn run_in_database(
         .context("cannot create the benchmark's database")?;
     let url = format!("{}/{db}", args.pg);
     let result = run(args, &url, candidate, tx_size).await;
-    let _ = sync_execute(&mut admin, &format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"));
+    let _ = sync_execute(
+        &mut admin,
+        &format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"),
+    );
     result
 }
 
@@ -577,12 +575,15 @@ fn set_up(url: &str, candidate: Candidate, args: &Args, span: u64) -> Result<()>
     }
     if candidate == Candidate::Snapshots {
         // the first partitions: from the start to two spans past the next transaction id
-        let next: u64 = <diesel::query_builder::SqlQuery as diesel::RunQueryDsl<PgConnection>>::get_result::<TextValue>(
-            diesel::sql_query("SELECT pg_snapshot_xmax(pg_current_snapshot())::text AS v"),
-            &mut conn,
-        )?
-        .v
-        .parse()?;
+        let next: u64 =
+            <diesel::query_builder::SqlQuery as diesel::RunQueryDsl<PgConnection>>::get_result::<
+                TextValue,
+            >(
+                diesel::sql_query("SELECT pg_snapshot_xmax(pg_current_snapshot())::text AS v"),
+                &mut conn,
+            )?
+            .v
+            .parse()?;
         for (i, (lo, hi)) in [(None, next + span), (Some(next + span), next + 2 * span)]
             .into_iter()
             .enumerate()
@@ -600,7 +601,10 @@ fn set_up(url: &str, candidate: Candidate, args: &Args, span: u64) -> Result<()>
             )?;
         }
     } else {
-        sync_execute(&mut conn, "ALTER TABLE outbox SET (autovacuum_enabled = false)")?;
+        sync_execute(
+            &mut conn,
+            "ALTER TABLE outbox SET (autovacuum_enabled = false)",
+        )?;
     }
     sync_execute(&mut conn, "CHECKPOINT")?;
     Ok(())
@@ -702,7 +706,8 @@ async fn run(args: &Args, url: &str, candidate: Candidate, tx_size: usize) -> Re
             shared,
         )));
     }
-    let held = held_conn.map(|conn| tokio::spawn(held_open(conn, args.rate, stop_at, shared.clone())));
+    let held =
+        held_conn.map(|conn| tokio::spawn(held_open(conn, args.rate, stop_at, shared.clone())));
     let reader = reader_conn.map(|conn| {
         let shared = shared.clone();
         let (batch, poll) = (args.batch, args.poll_interval);
@@ -855,7 +860,9 @@ async fn held_open(
     .execute(&mut conn)
     .await?;
     let from = shared.consumed();
-    let deadline = stop_at.checked_sub(Duration::from_secs(1)).unwrap_or(stop_at);
+    let deadline = stop_at
+        .checked_sub(Duration::from_secs(1))
+        .unwrap_or(stop_at);
     while shared.consumed() < from + rate && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -879,8 +886,7 @@ fn drained(shared: &Shared, since: &mut Option<Instant>) -> bool {
         return false;
     }
     let start = *since.get_or_insert_with(Instant::now);
-    shared.consumed() >= shared.written()
-        || start.elapsed() > Duration::from_secs(120)
+    shared.consumed() >= shared.written() || start.elapsed() > Duration::from_secs(120)
 }
 
 /// Candidates 1 and 3: the relay's own fetch (`fetch_ready`: the partial index on unpublished
@@ -1148,11 +1154,10 @@ impl Maintenance {
                     }
                 },
                 Candidate::HotMark => {
-                    let w: BigValue = diesel::sql_query(
-                        "SELECT watermark AS v FROM relay_cursor WHERE part = 0",
-                    )
-                    .get_result(&mut conn)
-                    .await?;
+                    let w: BigValue =
+                        diesel::sql_query("SELECT watermark AS v FROM relay_cursor WHERE part = 0")
+                            .get_result(&mut conn)
+                            .await?;
                     watermarks.push_back((Instant::now(), w.v));
                     // the watermark of a retention ago: rows at or below it were published
                     // before then, unless they committed late
@@ -1272,10 +1277,7 @@ impl Maintenance {
             if done && p.done_since.is_none() {
                 p.done_since = Some(Instant::now());
             }
-            if !p.truncated
-                && p.done_since
-                    .is_some_and(|t| t.elapsed() >= self.retention)
-            {
+            if !p.truncated && p.done_since.is_some_and(|t| t.elapsed() >= self.retention) {
                 conn.batch_execute(&format!("TRUNCATE {}", p.name)).await?;
                 p.truncated = true;
             }
