@@ -953,12 +953,17 @@ async fn read_hot(
             .await?;
     let (mut watermark, mut prev) = (c.watermark, Snapshot::parse(&c.snap)?);
     let fetch = [
+        // the window: the rows of the transactions in progress at the previous snapshot, by
+        // exact id, and of those given an id since it (below the current snapshot's `xmax`;
+        // later ones fall in the next window); `seq + 0`, so that no plan scans the primary key
+        // for every row at or below the watermark
         "SELECT seq, id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, \
          attempts FROM ( \
-           (SELECT * FROM outbox WHERE seq <= ",
-        " AND (txid = ANY(",
-        "::text[]::xid8[]) OR txid >= ",
-        "::xid8) AND published_at IS NULL AND parked_at IS NULL) \
+           (SELECT * FROM outbox WHERE (txid = ANY(",
+        "::text[]::xid8[]) OR (txid >= ",
+        "::xid8 AND txid < ",
+        "::xid8)) AND seq + 0 <= ",
+        " AND published_at IS NULL AND parked_at IS NULL) \
            UNION ALL \
            (SELECT * FROM outbox WHERE seq > ",
         " AND published_at IS NULL AND parked_at IS NULL ORDER BY seq LIMIT ",
@@ -978,13 +983,14 @@ async fn read_hot(
         // taken before the fetch, whose own snapshot sees at least as much
         let cur = current_snapshot(&mut conn).await?;
         let xip: Vec<String> = prev.xip.iter().map(u64::to_string).collect();
-        let xmax = prev.xmax.to_string();
+        let (from, to) = (prev.xmax.to_string(), cur.xmax.to_string());
         let rows: Vec<OutboxRow> = Stmt::new(
             &fetch,
             vec![
-                Bind::Big(watermark),
                 Bind::Texts(&xip),
-                Bind::Text(&xmax),
+                Bind::Text(&from),
+                Bind::Text(&to),
+                Bind::Big(watermark),
                 Bind::Big(watermark),
                 Bind::Big(batch),
             ],
