@@ -3,7 +3,7 @@
 //! event").
 //!
 //! ```sh
-//! cargo run --release --example publish_record_cost                  # about 8 minutes
+//! cargo run --release --example publish_record_cost                  # about 12 minutes
 //! cargo run --release --example publish_record_cost -- --rounds 1 --tx-sizes 10 --only baseline,snapshots
 //! ```
 //!
