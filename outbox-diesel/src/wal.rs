@@ -2,23 +2,22 @@
 //! slot, reading the committed inserts of the outbox table from the WAL in commit order,
 //! confirming a position, the slot's lag, parking and deleting captured rows.
 //!
-//! A reader reads the slot in one of two ways, both with the built-in `pgoutput` plugin and
-//! committed transactions in commit order from the slot's confirmed position:
+//! A reader reads the slot over a replication connection of its own
+//! ([`WalReader::streaming`]; `START_REPLICATION` with the built-in `pgoutput` plugin): the
+//! server decodes each WAL record once and sends each transaction as it commits, in commit
+//! order from the slot's confirmed position. A read stops at its limits (messages and bytes)
+//! even inside a transaction, so a transaction of any size is handed over in parts and the
+//! reader's memory does not grow with it. A position is confirmed by the standby status the
+//! reader sends after JetStream acked everything before it (or with
+//! `pg_replication_slot_advance` when no replication connection holds the slot). Logical
+//! decoding's SQL interface (`pg_logical_slot_peek_binary_changes`) is not a reading path: every
+//! call decodes again from the slot's restart position, which PostgreSQL moves only at its
+//! periodic snapshots, so a backlog is decoded over and over; `status` uses it only to look at
+//! the oldest unconfirmed transaction. A reader made without `streaming` sets the slot up and
+//! confirms, and refuses to read ([`WalError::NotStreaming`]).
 //!
-//! - streaming ([`WalReader::streaming`], what the relay does): a replication connection of its
-//!   own (`START_REPLICATION`), which decodes each WAL record once and sends each transaction
-//!   as it commits; a position is confirmed by the standby status the reader sends after
-//!   JetStream acked everything before it. A read stops at its limits (messages and bytes) even
-//!   inside a transaction, so a transaction of any size is handed over in parts and the
-//!   reader's memory does not grow with it;
-//! - SQL calls on the caller's Diesel connection: `pg_logical_slot_peek_binary_changes` reads
-//!   without consuming and `pg_replication_slot_advance` confirms. Simple, but every read
-//!   decodes again from the slot's restart position, which PostgreSQL moves only at its
-//!   periodic snapshots (about every 15 s): a large backlog is decoded over and over, and a
-//!   transaction is read whole.
-//!
-//! Either way a crash between publishing and confirming can only make the next reader read
-//! (and publish) the same transactions again, never skip one.
+//! A crash between publishing and confirming can only make the next reader read (and
+//! publish) the same transactions again, never skip one.
 //!
 //! ```no_run
 //! use diesel_async::{AsyncConnection, AsyncPgConnection};
@@ -65,7 +64,6 @@ mod decode;
 mod error;
 pub mod pgoutput;
 mod slot;
-mod sql;
 mod stream;
 
 pub use captured::{delete_captured, end_snapshot, park, pending_age_seconds, snapshot_rows};
@@ -367,8 +365,7 @@ impl WalReader {
 
     /// Reads the committed transactions after the slot's confirmed position, in commit
     /// order, until about `limit` messages. A streaming reader stops there even inside a
-    /// transaction, which then comes in parts (see [`Transaction`]); a reader that reads with
-    /// SQL reads a larger transaction whole. Nothing is consumed: the same transactions come
+    /// transaction, which then comes in parts (see [`Transaction`]). Nothing is consumed: the same transactions come
     /// again until [`WalReader::advance`] confirms past them.
     ///
     /// Only inserts into the outbox table count, except rows recorded as parked (a parked
@@ -387,8 +384,8 @@ impl WalReader {
     /// [`WalReader::read`], stopping also once the messages read hold `max_bytes` (a streaming
     /// reader, even inside a transaction: it holds no more than that of what it hands over),
     /// and waiting up to `wait` instead of the configured time for the first message
-    /// (`Duration::ZERO`: only what has arrived). The same as `read` for a reader that reads
-    /// with SQL.
+    /// (`Duration::ZERO`: only what has arrived). A reader made without
+    /// [`WalReader::streaming`] refuses ([`WalError::NotStreaming`]).
     pub async fn read_within(
         &mut self,
         conn: &mut AsyncPgConnection,
@@ -397,11 +394,11 @@ impl WalReader {
         wait: Duration,
     ) -> Result<WalBatch, WalError> {
         let limit = limit.max(1);
-        if let Some(mut cfg) = self.streaming.clone() {
-            cfg.wait = wait;
-            return self.read_stream(conn, &cfg, limit, max_bytes.max(1)).await;
-        }
-        self.read_sql(conn, limit).await
+        let Some(mut cfg) = self.streaming.clone() else {
+            return Err(WalError::NotStreaming);
+        };
+        cfg.wait = wait;
+        self.read_stream(conn, &cfg, limit, max_bytes.max(1)).await
     }
 
     /// Confirms that everything up to `to` is published: the slot will not return it again

@@ -3,7 +3,6 @@
 //! snapshot.
 
 use super::error::classify;
-use super::sql::Change;
 use super::*;
 
 /// Seconds since the oldest transaction the slot has not confirmed committed (0 when there
@@ -137,4 +136,11 @@ pub async fn snapshot_rows(
 /// Ends the snapshot transaction of [`WalReader::create_slot`].
 pub async fn end_snapshot(snapshot: &mut AsyncPgConnection) -> diesel::QueryResult<()> {
     snapshot.batch_execute("COMMIT").await
+}
+
+/// A change as `pg_logical_slot_peek_binary_changes` returns it.
+#[derive(QueryableByName)]
+pub(super) struct Change {
+    #[diesel(sql_type = diesel::sql_types::Binary)]
+    pub(super) data: Vec<u8>,
 }

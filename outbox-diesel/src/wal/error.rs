@@ -134,6 +134,12 @@ pub enum WalError {
     /// A message of the WAL could not be decoded.
     #[error("{0}")]
     Decode(#[from] pgoutput::DecodeError),
+    /// A reader made without [`WalReader::streaming`] was asked to read: such a reader sets the
+    /// slot up and confirms positions; it reads only over a replication connection of its own.
+    #[error(
+        "this WAL reader has no replication connection to read with: make it with WalReader::streaming(database_url, wait)"
+    )]
+    NotStreaming,
     /// A captured row lacks a column the relay needs.
     #[error("a captured row of {table} has no usable {column}: {reason}")]
     BadRow {

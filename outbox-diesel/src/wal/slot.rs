@@ -597,3 +597,29 @@ pub async fn slot_lag(
     .await?;
     Ok(rows.into_iter().next())
 }
+
+impl WalReader {
+    /// Confirms the slot up to `to` with `pg_replication_slot_advance`, when no replication
+    /// connection of this reader holds the slot.
+    pub(super) async fn advance_sql(
+        &self,
+        conn: &mut AsyncPgConnection,
+        to: Lsn,
+    ) -> Result<Lsn, WalError> {
+        let p: Position = match diesel::sql_query(
+            "SELECT (CASE WHEN s.confirmed_flush_lsn < $2::pg_lsn \
+             THEN (SELECT end_lsn FROM pg_replication_slot_advance($1::name, $2::pg_lsn)) \
+             ELSE s.confirmed_flush_lsn END - '0/0'::pg_lsn)::bigint AS lsn \
+             FROM pg_replication_slots s WHERE s.slot_name = $1",
+        )
+        .bind::<Text, _>(&self.slot)
+        .bind::<Text, _>(to.to_string())
+        .get_result(conn)
+        .await
+        {
+            Ok(p) => p,
+            Err(e) => return Err(classify(conn, e, &self.slot).await),
+        };
+        Ok(Lsn(p.lsn.unwrap_or_default() as u64))
+    }
+}
