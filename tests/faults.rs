@@ -453,48 +453,42 @@ async fn relay_kills(test: &str, mode: Mode, size: Size) {
     mode.assert(&r);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn relay_killed_at_random_points_loses_and_duplicates_nothing_ordered() {
-    relay_kills("relay_kills_ordered", Mode::Ordered, SHORT).await;
+/// The tests of one scenario, one per mode and size: each `test("log name", Mode)` calls
+/// `scenario("log name", Mode::…, args…)`, the log name naming its log directory and seeding
+/// its faults.
+macro_rules! per_mode {
+    ($scenario:ident $args:tt: $($(#[$attr:meta])* $name:ident($log:literal, $mode:ident),)+) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            $(#[$attr])*
+            async fn $name() {
+                per_mode!(@call $scenario $log $mode $args);
+            }
+        )+
+    };
+    (@call $scenario:ident $log:literal $mode:ident ($($arg:expr),*)) => {
+        $scenario($log, Mode::$mode $(, $arg)*).await
+    };
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn relay_killed_at_random_points_loses_and_duplicates_nothing_unordered() {
-    relay_kills("relay_kills_unordered", Mode::Unordered, SHORT).await;
+per_mode! {
+    relay_kills(SHORT):
+    relay_killed_at_random_points_loses_and_duplicates_nothing_ordered("relay_kills_ordered", Ordered),
+    relay_killed_at_random_points_loses_and_duplicates_nothing_unordered("relay_kills_unordered", Unordered),
+    relay_killed_at_random_points_loses_and_duplicates_nothing_deleting("relay_kills_deleting", OrderedDeleting),
+    relay_killed_at_random_points_loses_and_duplicates_nothing_log_tailing("relay_kills_log_tailing", LogTailing),
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn relay_killed_at_random_points_loses_and_duplicates_nothing_deleting() {
-    relay_kills("relay_kills_deleting", Mode::OrderedDeleting, SHORT).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn relay_killed_at_random_points_loses_and_duplicates_nothing_log_tailing() {
-    relay_kills("relay_kills_log_tailing", Mode::LogTailing, SHORT).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "long: 200,000 events, 50 kills"]
-async fn long_relay_killed_50_times_loses_and_duplicates_nothing_ordered() {
-    relay_kills("long_relay_kills_ordered", Mode::Ordered, LONG).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "long: 200,000 events, 50 kills"]
-async fn long_relay_killed_50_times_loses_and_duplicates_nothing_unordered() {
-    relay_kills("long_relay_kills_unordered", Mode::Unordered, LONG).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "long: 200,000 events, 50 kills"]
-async fn long_relay_killed_50_times_loses_and_duplicates_nothing_deleting() {
-    relay_kills("long_relay_kills_deleting", Mode::OrderedDeleting, LONG).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "long: 200,000 events, 50 kills"]
-async fn long_relay_killed_50_times_loses_and_duplicates_nothing_log_tailing() {
-    relay_kills("long_relay_kills_log_tailing", Mode::LogTailing, LONG).await;
+per_mode! {
+    relay_kills(LONG):
+    #[ignore = "long: 200,000 events, 50 kills"]
+    long_relay_killed_50_times_loses_and_duplicates_nothing_ordered("long_relay_kills_ordered", Ordered),
+    #[ignore = "long: 200,000 events, 50 kills"]
+    long_relay_killed_50_times_loses_and_duplicates_nothing_unordered("long_relay_kills_unordered", Unordered),
+    #[ignore = "long: 200,000 events, 50 kills"]
+    long_relay_killed_50_times_loses_and_duplicates_nothing_deleting("long_relay_kills_deleting", OrderedDeleting),
+    #[ignore = "long: 200,000 events, 50 kills"]
+    long_relay_killed_50_times_loses_and_duplicates_nothing_log_tailing("long_relay_kills_log_tailing", LogTailing),
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -573,36 +567,20 @@ async fn writer_kills(test: &str, mode: Mode, size: Size) {
     mode.assert(&r);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn writer_killed_before_commit_or_rolled_back_publishes_nothing_ordered() {
-    writer_kills("writer_kills_ordered", Mode::Ordered, SHORT).await;
+per_mode! {
+    writer_kills(SHORT):
+    writer_killed_before_commit_or_rolled_back_publishes_nothing_ordered("writer_kills_ordered", Ordered),
+    writer_killed_before_commit_or_rolled_back_publishes_nothing_deleting("writer_kills_deleting", OrderedDeleting),
+    writer_killed_before_commit_or_rolled_back_publishes_nothing_log_tailing("writer_kills_log_tailing", LogTailing),
+    writer_killed_before_commit_or_rolled_back_publishes_nothing_unordered("writer_kills_unordered", Unordered),
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn writer_killed_before_commit_or_rolled_back_publishes_nothing_deleting() {
-    writer_kills("writer_kills_deleting", Mode::OrderedDeleting, SHORT).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn writer_killed_before_commit_or_rolled_back_publishes_nothing_log_tailing() {
-    writer_kills("writer_kills_log_tailing", Mode::LogTailing, SHORT).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn writer_killed_before_commit_or_rolled_back_publishes_nothing_unordered() {
-    writer_kills("writer_kills_unordered", Mode::Unordered, SHORT).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "long: 200,000 events, 50 writer kills"]
-async fn long_writer_killed_50_times_before_commit_publishes_nothing_ordered() {
-    writer_kills("long_writer_kills_ordered", Mode::Ordered, LONG).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "long: 200,000 events, 50 writer kills"]
-async fn long_writer_killed_50_times_before_commit_publishes_nothing_unordered() {
-    writer_kills("long_writer_kills_unordered", Mode::Unordered, LONG).await;
+per_mode! {
+    writer_kills(LONG):
+    #[ignore = "long: 200,000 events, 50 writer kills"]
+    long_writer_killed_50_times_before_commit_publishes_nothing_ordered("long_writer_kills_ordered", Ordered),
+    #[ignore = "long: 200,000 events, 50 writer kills"]
+    long_writer_killed_50_times_before_commit_publishes_nothing_unordered("long_writer_kills_unordered", Unordered),
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -652,36 +630,20 @@ async fn nats_outages(test: &str, mode: Mode, size: Size, restarts: usize) {
     mode.assert(&r);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nats_started_late_and_restarted_mid_run_loses_nothing_ordered() {
-    nats_outages("nats_outages_ordered", Mode::Ordered, SHORT, 1).await;
+per_mode! {
+    nats_outages(SHORT, 1):
+    nats_started_late_and_restarted_mid_run_loses_nothing_ordered("nats_outages_ordered", Ordered),
+    nats_started_late_and_restarted_mid_run_loses_nothing_unordered("nats_outages_unordered", Unordered),
+    nats_started_late_and_restarted_mid_run_loses_nothing_deleting("nats_outages_deleting", OrderedDeleting),
+    nats_started_late_and_restarted_mid_run_loses_nothing_log_tailing("nats_outages_log_tailing", LogTailing),
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nats_started_late_and_restarted_mid_run_loses_nothing_unordered() {
-    nats_outages("nats_outages_unordered", Mode::Unordered, SHORT, 1).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nats_started_late_and_restarted_mid_run_loses_nothing_deleting() {
-    nats_outages("nats_outages_deleting", Mode::OrderedDeleting, SHORT, 1).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nats_started_late_and_restarted_mid_run_loses_nothing_log_tailing() {
-    nats_outages("nats_outages_log_tailing", Mode::LogTailing, SHORT, 1).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "long: 200,000 events, 10 NATS restarts"]
-async fn long_nats_restarted_10_times_loses_nothing_ordered() {
-    nats_outages("long_nats_outages_ordered", Mode::Ordered, LONG, 10).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "long: 200,000 events, 10 NATS restarts"]
-async fn long_nats_restarted_10_times_loses_nothing_unordered() {
-    nats_outages("long_nats_outages_unordered", Mode::Unordered, LONG, 10).await;
+per_mode! {
+    nats_outages(LONG, 10):
+    #[ignore = "long: 200,000 events, 10 NATS restarts"]
+    long_nats_restarted_10_times_loses_nothing_ordered("long_nats_outages_ordered", Ordered),
+    #[ignore = "long: 200,000 events, 10 NATS restarts"]
+    long_nats_restarted_10_times_loses_nothing_unordered("long_nats_outages_unordered", Unordered),
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -714,37 +676,21 @@ async fn sessions_terminated(test: &str, mode: Mode, size: Size) {
     mode.assert(&r);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn relay_sessions_terminated_lose_and_duplicate_nothing_ordered() {
-    sessions_terminated("sessions_terminated_ordered", Mode::Ordered, SHORT).await;
+per_mode! {
+    sessions_terminated(SHORT):
+    relay_sessions_terminated_lose_and_duplicate_nothing_ordered("sessions_terminated_ordered", Ordered),
+    relay_sessions_terminated_lose_and_duplicate_nothing_unordered("sessions_terminated_unordered", Unordered),
+    relay_sessions_terminated_lose_and_duplicate_nothing_deleting("sessions_terminated_deleting", OrderedDeleting),
+    /// With log tailing the terminated sessions include the reader's replication connection.
+    relay_sessions_terminated_lose_and_duplicate_nothing_log_tailing("sessions_terminated_log_tailing", LogTailing),
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn relay_sessions_terminated_lose_and_duplicate_nothing_unordered() {
-    sessions_terminated("sessions_terminated_unordered", Mode::Unordered, SHORT).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn relay_sessions_terminated_lose_and_duplicate_nothing_deleting() {
-    sessions_terminated("sessions_terminated_deleting", Mode::OrderedDeleting, SHORT).await;
-}
-
-/// With log tailing the terminated sessions include the reader's replication connection.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn relay_sessions_terminated_lose_and_duplicate_nothing_log_tailing() {
-    sessions_terminated("sessions_terminated_log_tailing", Mode::LogTailing, SHORT).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "long: 200,000 events, 50 terminations"]
-async fn long_relay_sessions_terminated_50_times_lose_nothing_ordered() {
-    sessions_terminated("long_sessions_terminated_ordered", Mode::Ordered, LONG).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "long: 200,000 events, 50 terminations"]
-async fn long_relay_sessions_terminated_50_times_lose_nothing_unordered() {
-    sessions_terminated("long_sessions_terminated_unordered", Mode::Unordered, LONG).await;
+per_mode! {
+    sessions_terminated(LONG):
+    #[ignore = "long: 200,000 events, 50 terminations"]
+    long_relay_sessions_terminated_50_times_lose_nothing_ordered("long_sessions_terminated_ordered", Ordered),
+    #[ignore = "long: 200,000 events, 50 terminations"]
+    long_relay_sessions_terminated_50_times_lose_nothing_unordered("long_sessions_terminated_unordered", Unordered),
 }
 
 async fn postgres_restarts(test: &str, mode: Mode, size: Size, restarts: usize) {
@@ -770,48 +716,20 @@ async fn postgres_restarts(test: &str, mode: Mode, size: Size, restarts: usize) 
     mode.assert(&r);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_restarted_mid_run_loses_and_duplicates_nothing_ordered() {
-    postgres_restarts("postgres_restarts_ordered", Mode::Ordered, SHORT, 1).await;
+per_mode! {
+    postgres_restarts(SHORT, 1):
+    postgres_restarted_mid_run_loses_and_duplicates_nothing_ordered("postgres_restarts_ordered", Ordered),
+    postgres_restarted_mid_run_loses_and_duplicates_nothing_unordered("postgres_restarts_unordered", Unordered),
+    postgres_restarted_mid_run_loses_and_duplicates_nothing_deleting("postgres_restarts_deleting", OrderedDeleting),
+    postgres_restarted_mid_run_loses_and_duplicates_nothing_log_tailing("postgres_restarts_log_tailing", LogTailing),
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_restarted_mid_run_loses_and_duplicates_nothing_unordered() {
-    postgres_restarts("postgres_restarts_unordered", Mode::Unordered, SHORT, 1).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_restarted_mid_run_loses_and_duplicates_nothing_deleting() {
-    postgres_restarts(
-        "postgres_restarts_deleting",
-        Mode::OrderedDeleting,
-        SHORT,
-        1,
-    )
-    .await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_restarted_mid_run_loses_and_duplicates_nothing_log_tailing() {
-    postgres_restarts("postgres_restarts_log_tailing", Mode::LogTailing, SHORT, 1).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "long: 200,000 events, 10 PostgreSQL restarts"]
-async fn long_postgres_restarted_10_times_loses_nothing_ordered() {
-    postgres_restarts("long_postgres_restarts_ordered", Mode::Ordered, LONG, 10).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "long: 200,000 events, 10 PostgreSQL restarts"]
-async fn long_postgres_restarted_10_times_loses_nothing_unordered() {
-    postgres_restarts(
-        "long_postgres_restarts_unordered",
-        Mode::Unordered,
-        LONG,
-        10,
-    )
-    .await;
+per_mode! {
+    postgres_restarts(LONG, 10):
+    #[ignore = "long: 200,000 events, 10 PostgreSQL restarts"]
+    long_postgres_restarted_10_times_loses_nothing_ordered("long_postgres_restarts_ordered", Ordered),
+    #[ignore = "long: 200,000 events, 10 PostgreSQL restarts"]
+    long_postgres_restarted_10_times_loses_nothing_unordered("long_postgres_restarts_unordered", Unordered),
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -907,16 +825,12 @@ async fn paused_relay_hands_over_within_the_lease_and_resumes_without_duplicates
     paused_relay("paused_relay_unordered", Mode::Unordered, size, 1).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "long: 200,000 events, 10 pauses"]
-async fn long_paused_relay_hands_over_10_times_without_duplicates_ordered() {
-    paused_relay("long_paused_relay_ordered", Mode::Ordered, LONG, 10).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "long: 200,000 events, 10 pauses"]
-async fn long_paused_relay_hands_over_10_times_without_duplicates_unordered() {
-    paused_relay("long_paused_relay_unordered", Mode::Unordered, LONG, 10).await;
+per_mode! {
+    paused_relay(LONG, 10):
+    #[ignore = "long: 200,000 events, 10 pauses"]
+    long_paused_relay_hands_over_10_times_without_duplicates_ordered("long_paused_relay_ordered", Ordered),
+    #[ignore = "long: 200,000 events, 10 pauses"]
+    long_paused_relay_hands_over_10_times_without_duplicates_unordered("long_paused_relay_unordered", Unordered),
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1192,9 +1106,9 @@ async fn acks_lost_past_the_window(test: &str, mode: Mode, size: Size, outages: 
     mode.assert(&r);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nats_unreachable_past_the_duplicate_window_with_acks_lost_duplicates_nothing_ordered() {
-    acks_lost_past_the_window("acks_lost_ordered", Mode::Ordered, SLOW, 2).await;
+per_mode! {
+    acks_lost_past_the_window(SLOW, 2):
+    nats_unreachable_past_the_duplicate_window_with_acks_lost_duplicates_nothing_ordered("acks_lost_ordered", Ordered),
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1203,16 +1117,12 @@ async fn nats_unreachable_past_the_duplicate_window_with_acks_lost_duplicates_no
     acks_lost_past_the_window("acks_lost_log_tailing", Mode::LogTailing, SLOW, 2).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "long: 200,000 events, 10 outages with acks lost"]
-async fn long_nats_unreachable_10_times_with_acks_lost_duplicates_nothing_ordered() {
-    acks_lost_past_the_window("long_acks_lost_ordered", Mode::Ordered, LONG, 10).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "long: 200,000 events, 10 outages with acks lost"]
-async fn long_nats_unreachable_10_times_with_acks_lost_duplicates_nothing_log_tailing() {
-    acks_lost_past_the_window("long_acks_lost_log_tailing", Mode::LogTailing, LONG, 10).await;
+per_mode! {
+    acks_lost_past_the_window(LONG, 10):
+    #[ignore = "long: 200,000 events, 10 outages with acks lost"]
+    long_nats_unreachable_10_times_with_acks_lost_duplicates_nothing_ordered("long_acks_lost_ordered", Ordered),
+    #[ignore = "long: 200,000 events, 10 outages with acks lost"]
+    long_nats_unreachable_10_times_with_acks_lost_duplicates_nothing_log_tailing("long_acks_lost_log_tailing", LogTailing),
 }
 
 // ---------------------------------------------------------------------------------------------
