@@ -287,7 +287,14 @@ impl<'a> Pipeline<'a> {
             Err(e) => {
                 self.forget_sequences();
                 let fence_only = fenced.is_some() && !own_expectation;
-                self.end = Some(classify(row.seq, row.attempts, &e, fence_only, self.health));
+                self.end = Some(classify(
+                    row.seq,
+                    row.attempts,
+                    &e,
+                    fence_only,
+                    true,
+                    self.health,
+                ));
                 false
             }
         }
@@ -446,9 +453,18 @@ impl<'a> Pipeline<'a> {
             }
             Err(e) => {
                 self.forget_sequences();
-                let failure = classify(sent.seq, sent.attempts, &e, sent.fence_only, self.health);
-                // the first failure is the one to report; a row failure outranks a lease stop
-                if matches!(self.end, None | Some(BatchEnd::LeaseUnconfirmed)) {
+                // the first failure is the one to report (the acks in flight behind it fail
+                // alike: one line, not one per message); a row failure outranks a lease stop
+                let first = matches!(self.end, None | Some(BatchEnd::LeaseUnconfirmed));
+                let failure = classify(
+                    sent.seq,
+                    sent.attempts,
+                    &e,
+                    sent.fence_only,
+                    first,
+                    self.health,
+                );
+                if first {
                     self.end = Some(failure);
                 }
             }
@@ -460,18 +476,22 @@ impl<'a> Pipeline<'a> {
 /// publish: checked again, never counted against the row), "about this row" (counted, parked
 /// after enough attempts), "about the stream" (JetStream refuses every message: retried after
 /// a backoff, never counted against a row, the relay not ready meanwhile) and "about NATS"
-/// (retried after a backoff).
+/// (retried after a backoff). Counted always; logged when `report` (the batch's first
+/// failure).
 fn classify(
     seq: i64,
     attempts: i32,
     e: &PublishError,
     fence_only: bool,
+    report: bool,
     health: &Health,
 ) -> BatchEnd {
     if fence_only && matches!(e.kind(), PublishErrorKind::WrongLastSequence) {
         metrics::counter!(m::PUBLISH_ERRORS, "kind" => "fenced").increment(1);
         metrics::counter!(m::EVENTS_FENCED).increment(1);
-        warn!(outbox.seq = seq, error = %e, "JetStream refused the event: its subject holds a newer message than this relay expected (another relay published it, or the event was stored before); nothing is parked, the relay checks its lease and reads the rows again");
+        if report {
+            warn!(outbox.seq = seq, error = %e, "JetStream refused the event: its subject holds a newer message than this relay expected (another relay published it, or the event was stored before); nothing is parked, the relay checks its lease and reads the rows again");
+        }
         return BatchEnd::Fenced;
     }
     let api_error = std::error::Error::source(e).and_then(|s| s.downcast_ref::<jetstream::Error>());
@@ -500,8 +520,10 @@ fn classify(
     }
     if kind == "stream_rejected" {
         health.stream_refused.store(true, Ordering::Relaxed);
-        error!(outbox.seq = seq, error = %e, "JetStream refuses to store messages in the stream (a limit reached with discard new, storage or account limits, a sealed stream); nothing is parked, the relay retries with backoff until the stream accepts messages again");
-    } else {
+        if report {
+            error!(outbox.seq = seq, error = %e, "JetStream refuses to store messages in the stream (a limit reached with discard new, storage or account limits, a sealed stream); nothing is parked, the relay retries with backoff until the stream accepts messages again");
+        }
+    } else if report {
         warn!(outbox.seq = seq, error = %e, kind, "publish failed; the batch stops here and is retried");
     }
     BatchEnd::Transient
@@ -535,12 +557,12 @@ mod tests {
         let health = Health::default();
         let wrong = PublishError::new(PublishErrorKind::WrongLastSequence);
         assert!(matches!(
-            classify(1, 0, &wrong, true, &health),
+            classify(1, 0, &wrong, true, true, &health),
             BatchEnd::Fenced
         ));
         // the row's own Nats-Expected-Last-Sequence (or no fence): the row's fault, as before
         assert!(matches!(
-            classify(1, 0, &wrong, false, &health),
+            classify(1, 0, &wrong, false, true, &health),
             BatchEnd::RowFailed {
                 park_now: false,
                 ..
@@ -548,7 +570,7 @@ mod tests {
         ));
         let timeout = PublishError::new(PublishErrorKind::TimedOut);
         assert!(matches!(
-            classify(1, 0, &timeout, true, &health),
+            classify(1, 0, &timeout, true, true, &health),
             BatchEnd::Transient
         ));
     }
