@@ -142,5 +142,5 @@ pub async fn end_snapshot(snapshot: &mut AsyncPgConnection) -> diesel::QueryResu
 #[derive(QueryableByName)]
 pub(super) struct Change {
     #[diesel(sql_type = diesel::sql_types::Binary)]
-    pub(super) data: Vec<u8>,
+    data: Vec<u8>,
 }

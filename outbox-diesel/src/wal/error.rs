@@ -155,13 +155,13 @@ pub enum WalError {
 #[derive(QueryableByName)]
 pub(super) struct ServerState {
     #[diesel(sql_type = Text)]
-    pub(super) wal_level: String,
+    wal_level: String,
     #[diesel(sql_type = Bool)]
-    pub(super) may_replicate: bool,
+    may_replicate: bool,
     #[diesel(sql_type = Nullable<Integer>)]
-    pub(super) active_pid: Option<i32>,
+    active_pid: Option<i32>,
     #[diesel(sql_type = Integer)]
-    pub(super) me: i32,
+    me: i32,
 }
 
 /// Sorts an error of a slot operation by the server's state, read right after it (the level

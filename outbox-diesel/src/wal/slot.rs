@@ -25,35 +25,35 @@ pub const SLOTS_TABLE: &str = "outbox_relay_slots";
 #[derive(QueryableByName)]
 pub(super) struct SlotRecord {
     #[diesel(sql_type = Text)]
-    pub(super) state: String,
+    state: String,
     #[diesel(sql_type = Nullable<BigInt>)]
-    pub(super) confirmed: Option<i64>,
+    confirmed: Option<i64>,
     #[diesel(sql_type = diesel::sql_types::Timestamptz)]
-    pub(super) updated_at: DateTime<Utc>,
+    updated_at: DateTime<Utc>,
 }
 
 #[derive(QueryableByName)]
 pub(super) struct SlotRow {
     #[diesel(sql_type = Nullable<Text>)]
-    pub(super) plugin: Option<String>,
+    plugin: Option<String>,
     #[diesel(sql_type = Nullable<Text>)]
-    pub(super) database: Option<String>,
+    database: Option<String>,
     #[diesel(sql_type = Nullable<Bool>)]
-    pub(super) here: Option<bool>,
+    here: Option<bool>,
     #[diesel(sql_type = Nullable<Text>)]
-    pub(super) wal_status: Option<String>,
+    wal_status: Option<String>,
     #[diesel(sql_type = Nullable<BigInt>)]
-    pub(super) confirmed: Option<i64>,
+    confirmed: Option<i64>,
 }
 
 #[derive(QueryableByName)]
 pub(super) struct PubRow {
     #[diesel(sql_type = Bool)]
-    pub(super) pubinsert: bool,
+    pubinsert: bool,
     #[diesel(sql_type = Bool)]
-    pub(super) pubupdate: bool,
+    pubupdate: bool,
     #[diesel(sql_type = Bool)]
-    pub(super) has_table: bool,
+    has_table: bool,
 }
 
 impl WalReader {

@@ -27,10 +27,10 @@ pub(super) const READ_AHEAD_MESSAGES: usize = 256;
 pub(super) struct Stream {
     pub(super) client: pgwire_replication::ReplicationClient,
     /// The transaction being received, with its events not handed over yet.
-    pub(super) open: Option<Open>,
+    open: Option<Open>,
     /// The end of the last commit received (of any transaction), or the server's position
     /// from a keepalive between transactions: everything before it was received.
-    pub(super) received_to: Option<Lsn>,
+    received_to: Option<Lsn>,
 }
 
 /// The password is never shown.
@@ -58,16 +58,16 @@ impl fmt::Debug for Stream {
 
 /// A transaction being received by a streaming reader.
 pub(super) struct Open {
-    pub(super) xid: u32,
-    pub(super) commit_lsn: Lsn,
-    pub(super) commit_time: DateTime<Utc>,
+    xid: u32,
+    commit_lsn: Lsn,
+    commit_time: DateTime<Utc>,
     /// Its events received and not handed over yet.
-    pub(super) rows: Vec<Captured>,
+    rows: Vec<Captured>,
     /// Whether a part of it was handed over: its commit is then returned even without rows
     /// left, for its end.
-    pub(super) parted: bool,
+    parted: bool,
     /// Confirmed already (it ends at or before the confirmed position): passed over.
-    pub(super) stale: bool,
+    stale: bool,
 }
 
 impl WalReader {
