@@ -18,6 +18,7 @@ pub(crate) mod config;
 mod ordered;
 mod tailing;
 mod unordered;
+mod window;
 
 pub(crate) use crate::backoff::Backoff;
 pub use crate::health::Health;
