@@ -1003,19 +1003,24 @@ async fn retry_releases_the_rows_held_back_behind_a_parked_one_in_order() {
 // ---------------------------------------------------------------------------------------------
 // 11. byte-bounded batches: a batch of 500 rows of large payloads is hundreds of MiB
 
+/// `n` rows of 900 KB payloads (one per aggregate), recorded by plain SQL.
+fn insert_large_rows(db: &TestDb, n: u32) {
+    diesel::sql_query(format!(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), 'blob', 'b-' || i, 'blob.stored', \
+         jsonb_build_object('n', i, 'data', repeat(md5(i::text), 28125)) \
+         FROM generate_series(1, {n}) AS i"
+    ))
+    .execute(&mut db.conn())
+    .expect("insert rows");
+}
+
 /// 40 rows of 900 KB payloads (36 MB) drained by a relay with a 1 MiB budget: it peaks far
 /// below what one 40-row batch takes (about 92 MiB without a budget), in both polling modes.
 async fn large_payloads_stay_within_the_budget(mode: &str) -> u64 {
     let db = TestDb::new();
     let stream = TestStream::new();
-    diesel::sql_query(
-        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
-         SELECT gen_random_uuid(), 'blob', 'b-' || i, 'blob.stored', \
-         jsonb_build_object('n', i, 'data', repeat(md5(i::text), 28125)) \
-         FROM generate_series(1, 100) AS i",
-    )
-    .execute(&mut db.conn())
-    .expect("insert rows");
+    insert_large_rows(&db, 100);
     let mut cmd = relay_command(&db, &stream, &["--mode", mode, "--no-cleanup"]);
     // an environment variable, so that a relay without the flag runs too (and shows the peak)
     cmd.env("OUTBOX_MAX_BATCH_BYTES", (1u64 << 20).to_string());
@@ -1216,14 +1221,7 @@ async fn publishes_in_flight_stay_within_the_byte_budget_while_acks_do_not_come(
     })
     .await;
     proxy.hold();
-    diesel::sql_query(
-        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
-         SELECT gen_random_uuid(), 'blob', 'b-' || i, 'blob.stored', \
-         jsonb_build_object('n', i, 'data', repeat(md5(i::text), 28125)) \
-         FROM generate_series(1, 100) AS i",
-    )
-    .execute(&mut db.conn())
-    .expect("insert rows");
+    insert_large_rows(&db, 100);
     // the fault itself (no ack for 3 s), not a synchronisation
     tokio::time::sleep(Duration::from_secs(3)).await;
     let held = proxy.held_publishes();
