@@ -584,7 +584,7 @@ async fn leader_kills(kills: usize) {
         // the fault suite's checker over the table and the stream: every count 0
         if mode != "log-tailing" {
             wait_until(TIMEOUT, "every row marked published", || async {
-                db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL") == 0
+                db.scalar("SELECT count(*) FROM outbox_audit WHERE published_at IS NULL") == 0
             })
             .await;
         }

@@ -29,7 +29,7 @@ fn insert_rows(db: &TestDb, n: i64) {
 }
 
 fn unpublished(db: &TestDb) -> i64 {
-    db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+    db.scalar("SELECT count(*) FROM outbox_audit WHERE published_at IS NULL")
 }
 
 fn parked(db: &TestDb) -> i64 {
@@ -321,7 +321,9 @@ async fn wait_published(db: &TestDb, n: i64) {
     wait_until(
         Duration::from_secs(30),
         &format!("{n} rows published"),
-        || async { db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL") >= n },
+        || async {
+            db.scalar("SELECT count(*) FROM outbox_audit WHERE published_at IS NOT NULL") >= n
+        },
     )
     .await;
 }
@@ -447,7 +449,7 @@ fn relay_for(db_url: &str, stream: &TestStream, table: &str, args: &[&str]) -> C
 fn count_published(db: &TestDb, table: &outbox_diesel::OutboxTable) -> i64 {
     db.scalar(&format!(
         "SELECT count(*) FROM {} WHERE published_at IS NOT NULL",
-        table.quoted()
+        table.audit_view()
     ))
 }
 
@@ -932,7 +934,7 @@ async fn a_poll_costs_the_same_whatever_number_of_rows_wait_behind_a_parked_one(
     );
     let held = buffers(&plan);
     assert_eq!(
-        db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL"),
+        db.scalar("SELECT count(*) FROM outbox_audit WHERE published_at IS NULL"),
         20_001,
         "the hot aggregate's rows wait, unpublished"
     );

@@ -18,7 +18,7 @@ fn relay(name: &str, db: &TestDb, stream: &TestStream, args: &[&str]) -> Proc {
 
 async fn wait_published(db: &TestDb, n: i64, timeout: Duration) {
     wait_until(timeout, &format!("{n} rows published"), || async {
-        db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL") >= n
+        db.scalar("SELECT count(*) FROM outbox_audit WHERE published_at IS NOT NULL") >= n
     })
     .await;
 }
@@ -399,7 +399,7 @@ async fn a_poison_row_parks_without_stopping_other_aggregates_and_is_retried_fro
     // P's second event is held back behind the parked one; Q flowed
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(
-        db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL"),
+        db.scalar("SELECT count(*) FROM outbox_audit WHERE published_at IS NULL"),
         2
     );
     let got = stream.read_all().await;

@@ -68,6 +68,7 @@ pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
 
 const UP_SQL: &str = include_str!("../migrations/2026-12-01-000000_create_outbox/up.sql");
 const READY_SQL: &str = include_str!("../migrations/2026-12-03-000000_outbox_ready/up.sql");
+const SNAPSHOT_SQL: &str = include_str!("../migrations/2026-12-05-000000_snapshot_batches/up.sql");
 
 /// Applies the outbox's pending migrations (creating the tables `outbox` and
 /// `processed_messages`).
@@ -92,6 +93,7 @@ pub fn run_migrations(
 pub fn create_table_sql(table: &OutboxTable) -> String {
     let q = table.quoted();
     let prefix = table.name();
+    let snapshot = snapshot_sql(table);
     format!("{UP_SQL}{READY_SQL}")
         .replace("CREATE TABLE outbox (", &format!("CREATE TABLE {q} ("))
         .replace(" ON outbox (", &format!(" ON {q} ("))
@@ -100,8 +102,49 @@ pub fn create_table_sql(table: &OutboxTable) -> String {
         .replace("CREATE INDEX outbox_", &format!("CREATE INDEX {prefix}_"))
         .lines()
         .map(|l| quote_object_names(l, prefix))
+        .chain(std::iter::once(snapshot))
         .collect::<Vec<_>>()
         .join("\n")
+}
+
+/// The DDL of snapshot batches (the `txid` column, its index, the released rows' index, the
+/// progress table and the audit view) for `table`: the migration
+/// `2026-12-05-000000_snapshot_batches` with `table`'s names.
+fn snapshot_sql(table: &OutboxTable) -> String {
+    let progress_table = |t: &OutboxTable| t.progress_table();
+    let audit_view = |t: &OutboxTable| t.audit_view();
+    let q = table.quoted();
+    let index = |suffix: &str| crate::table::quote_ident(&format!("{}_{suffix}", table.name()));
+    SNAPSHOT_SQL
+        .replace("outbox_progress_cursor", &index("progress_cursor"))
+        .replace(
+            "CREATE TABLE outbox_progress (",
+            &format!("CREATE TABLE {} (", progress_table(table)),
+        )
+        .replace(
+            " ON outbox_progress (",
+            &format!(" ON {} (", progress_table(table)),
+        )
+        .replace(
+            "FROM outbox_progress p",
+            &format!("FROM {} p", progress_table(table)),
+        )
+        .replace(
+            "CREATE VIEW outbox_audit ",
+            &format!("CREATE VIEW {} ", audit_view(table)),
+        )
+        .replace(
+            "CREATE INDEX outbox_txid ON outbox (",
+            &format!("CREATE INDEX {} ON {q} (", index("txid")),
+        )
+        .replace(
+            "CREATE INDEX outbox_released ON outbox (",
+            &format!("CREATE INDEX {} ON {q} (", index("released")),
+        )
+        .replace("ALTER TABLE outbox ADD", &format!("ALTER TABLE {q} ADD"))
+        .replace("  FROM outbox o;", &format!("  FROM {q} o;"))
+        .trim_end()
+        .to_owned()
 }
 
 fn quote_object_names(line: &str, prefix: &str) -> String {
@@ -147,19 +190,40 @@ pub fn create_table(conn: &mut PgConnection, table: &OutboxTable) -> diesel::Que
                 .sql(") IS NOT NULL"),
         )
         .get_result(conn)?;
-        if has_index {
+        if !has_index {
+            let ready = READY_SQL
+                .lines()
+                .find(|l| l.starts_with("CREATE INDEX"))
+                .unwrap_or_default()
+                .replacen(
+                    "CREATE INDEX outbox_ready ON outbox (",
+                    &format!("CREATE INDEX IF NOT EXISTS {index} ON {} (", table.quoted()),
+                    1,
+                );
+            diesel::connection::SimpleConnection::batch_execute(conn, &ready)?;
+        }
+        // a table made before snapshot batches gets them
+        let has_txid: bool = diesel::select(
+            diesel::dsl::sql::<diesel::sql_types::Bool>(
+                "EXISTS (SELECT 1 FROM pg_attribute WHERE attname = 'txid' AND NOT attisdropped \
+                 AND attrelid = to_regclass(",
+            )
+            .bind::<diesel::sql_types::Text, _>(table.quoted())
+            .sql("))"),
+        )
+        .get_result(conn)?;
+        if has_txid {
             return Ok(());
         }
-        let ready = READY_SQL
-            .lines()
-            .find(|l| l.starts_with("CREATE INDEX"))
-            .unwrap_or_default()
-            .replacen(
-                "CREATE INDEX outbox_ready ON outbox (",
-                &format!("CREATE INDEX IF NOT EXISTS {index} ON {} (", table.quoted()),
-                1,
-            );
-        return diesel::connection::SimpleConnection::batch_execute(conn, &ready);
+        return conn.transaction(|conn| {
+            diesel::connection::SimpleConnection::batch_execute(
+                conn,
+                &format!(
+                    "SET LOCAL standard_conforming_strings = on;\n{}",
+                    snapshot_sql(table)
+                ),
+            )
+        });
     }
     conn.transaction(|conn| {
         // the DDL's string literals (the CHECKs' patterns) are written for standard strings
@@ -181,7 +245,7 @@ mod tests {
     fn default_ddl_is_the_migration() {
         assert_eq!(
             create_table_sql(&OutboxTable::DEFAULT).replace('"', ""),
-            format!("{UP_SQL}{READY_SQL}").trim_end()
+            format!("{UP_SQL}{READY_SQL}{SNAPSHOT_SQL}").trim_end()
         );
     }
 

@@ -82,6 +82,32 @@ impl OutboxTable {
         &self.name
     }
 
+    /// Where the ordered relay records its progress: `<name>_progress` in the same schema,
+    /// quoted (`"outbox_progress"`).
+    ///
+    /// ```
+    /// let t: outbox_diesel::OutboxTable = "billing.events".parse()?;
+    /// assert_eq!(t.progress_table(), r#""billing"."events_progress""#);
+    /// # Ok::<(), outbox_diesel::InvalidTableName>(())
+    /// ```
+    pub fn progress_table(&self) -> String {
+        self.sibling("progress")
+    }
+
+    /// The view of every row with when it was published, the rows the ordered relay published
+    /// included: `<name>_audit` in the same schema, quoted (`"outbox_audit"`).
+    pub fn audit_view(&self) -> String {
+        self.sibling("audit")
+    }
+
+    fn sibling(&self, suffix: &str) -> String {
+        let name = quote_ident(&format!("{}_{suffix}", self.name));
+        match &self.schema {
+            Some(s) => format!("{}.{name}", quote_ident(s)),
+            None => name,
+        }
+    }
+
     /// The name quoted for SQL: `"outbox"` or `"billing"."outbox"`.
     pub fn quoted(&self) -> String {
         match &self.schema {

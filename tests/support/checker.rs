@@ -62,7 +62,7 @@ pub fn keep_deleted_rows(db: &TestDb) {
              CREATE TRIGGER outbox_keep_deleted AFTER DELETE ON outbox \
                  FOR EACH ROW EXECUTE FUNCTION outbox_keep_deleted(); \
              CREATE VIEW {RECORD_VIEW} AS \
-                 SELECT seq, id, aggregate_type, aggregate_id, published_at FROM outbox \
+                 SELECT seq, id, aggregate_type, aggregate_id, published_at FROM outbox_audit \
                  UNION ALL \
                  SELECT seq, id, aggregate_type, aggregate_id, deleted_at FROM outbox_deleted;"
         ))
@@ -215,7 +215,7 @@ fn database_events(db: &TestDb) -> Vec<DbEvent> {
     let outbox = if exists(&mut conn, RECORD_VIEW) {
         RECORD_VIEW
     } else {
-        "outbox"
+        "outbox_audit"
     };
     let sql = if exists(&mut conn, BUSINESS_TABLE) {
         format!(

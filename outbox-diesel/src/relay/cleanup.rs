@@ -29,6 +29,11 @@ pub async fn delete_published(
     .await
 }
 
+/// The columns an archive table takes (`CREATE TABLE outbox_archive (LIKE outbox)`).
+pub(crate) const ARCHIVE_COLUMNS: &str = "seq, id, aggregate_type, aggregate_id, event_type, \
+     payload, headers, created_at, published_at, aggregate_hash, attempts, last_error, parked_at, \
+     txid";
+
 /// Like [`delete_published`], but moves the rows into `archive` in the same statement (a
 /// table with the outbox's columns, e.g. `CREATE TABLE outbox_archive (LIKE outbox)`);
 /// returns how many it moved.
@@ -39,14 +44,13 @@ pub async fn archive_published(
     older_than: std::time::Duration,
     limit: i64,
 ) -> QueryResult<usize> {
-    const COLUMNS: &str = "seq, id, aggregate_type, aggregate_id, event_type, payload, headers, \
-         created_at, published_at, aggregate_hash, attempts, last_error, parked_at";
+    let columns = ARCHIVE_COLUMNS;
     let (t, a) = (table.quoted(), archive.quoted());
     diesel::sql_query(format!(
         "WITH moved AS (DELETE FROM {t} WHERE seq IN (SELECT seq FROM {t} \
          WHERE published_at IS NOT NULL AND published_at < now() - make_interval(secs => $1) \
-         ORDER BY published_at LIMIT $2 FOR UPDATE SKIP LOCKED) RETURNING {COLUMNS}) \
-         INSERT INTO {a} ({COLUMNS}) SELECT {COLUMNS} FROM moved"
+         ORDER BY published_at LIMIT $2 FOR UPDATE SKIP LOCKED) RETURNING {columns}) \
+         INSERT INTO {a} ({columns}) SELECT {columns} FROM moved"
     ))
     .bind::<diesel::sql_types::Double, _>(older_than.as_secs_f64())
     .bind::<BigInt, _>(limit)

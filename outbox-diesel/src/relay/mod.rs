@@ -8,7 +8,9 @@
 //! - `rows`: [`OutboxRow`], what the relay publishes, and [`Partition`];
 //! - `session`: what the relay sets on its sessions ([`prepare_session`], [`set_lease_timeouts`]),
 //!   its keep-alive, `LISTEN` and pid;
-//! - `poll`: the fetches in `seq` order;
+//! - `poll`: the fetches in `seq` order (unordered mode, and what other transports reuse);
+//! - `progress`: the ordered relay's snapshot batches: [`fetch_batch`], its [`Cursor`]s and
+//!   their record, and what cleanup and `retry` need of them;
 //! - `marks`: the outcome of a publish ([`mark_published`], [`delete_acked`],
 //!   [`record_failure`]);
 //! - `parking`: parked rows, the rows held back behind them, [`retry_parked`];
@@ -24,6 +26,7 @@ mod locks;
 mod marks;
 mod parking;
 mod poll;
+mod progress;
 mod rows;
 mod session;
 mod stats;
@@ -33,6 +36,7 @@ pub use locks::*;
 pub use marks::*;
 pub use parking::*;
 pub use poll::*;
+pub use progress::*;
 pub use rows::*;
 pub use session::*;
 pub use stats::*;

@@ -9,6 +9,8 @@ use uuid::Uuid;
 
 use crate::OutboxTable;
 
+use super::progress::Coverage;
+
 /// The first key of the transaction advisory lock that orders [`hold_back`] and
 /// [`retry_parked`] on a table (the second is the table's OID): `'OBHD'` in ASCII, far above
 /// the OIDs of user tables that the partition locks use there.
@@ -43,7 +45,10 @@ pub async fn hold_back(
 
 /// Serialises holding back and retrying on `table` until the transaction ends: a retry that
 /// commits is seen by a later hold, which then leaves the released aggregate's rows alone.
-async fn lock_holds(conn: &mut AsyncPgConnection, table: &OutboxTable) -> QueryResult<()> {
+pub(super) async fn lock_holds(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+) -> QueryResult<()> {
     diesel::sql_query(format!(
         "SELECT pg_advisory_xact_lock({HOLD_LOCK_KEY}, to_regclass($1)::oid::int)"
     ))
@@ -67,7 +72,7 @@ pub async fn held_back_aggregates(
 ) -> QueryResult<Vec<String>> {
     let keys: Vec<Key> = diesel::sql_query(format!(
         "SELECT DISTINCT aggregate_type || '.' || aggregate_id AS k FROM {} \
-         WHERE parked_at > '-infinity'",
+         WHERE parked_at > '-infinity' AND parked_at < 'infinity'",
         table.quoted()
     ))
     .load(conn)
@@ -113,13 +118,17 @@ pub async fn parked(
     table: &OutboxTable,
 ) -> QueryResult<Vec<ParkedRow>> {
     let t = table.quoted();
+    let cov = Coverage::of(conn, table).await?;
     diesel::sql_query(format!(
-        "SELECT p.seq, p.id, p.aggregate_type, p.aggregate_id, p.event_type, p.attempts, \
+        "{}SELECT p.seq, p.id, p.aggregate_type, p.aggregate_id, p.event_type, p.attempts, \
          p.last_error, p.parked_at, (SELECT count(*) FROM {t} o WHERE o.published_at IS NULL \
-         AND (o.parked_at IS NULL OR o.parked_at = '-infinity') \
+         AND (o.parked_at = '-infinity' OR (o.parked_at IS NULL AND NOT {})) \
          AND o.aggregate_type = p.aggregate_type \
          AND o.aggregate_id = p.aggregate_id AND o.seq > p.seq) AS held_back \
-         FROM {t} p WHERE p.parked_at > '-infinity' AND p.published_at IS NULL ORDER BY p.seq"
+         FROM {t} p WHERE p.parked_at > '-infinity' AND p.parked_at < 'infinity' \
+         AND p.published_at IS NULL ORDER BY p.seq",
+        cov.with(),
+        cov.covered()
     ))
     .load(conn)
     .await
@@ -145,17 +154,27 @@ pub async fn retry_parked(
         }
         let parked: Count = diesel::sql_query(format!(
             "SELECT count(*) AS n FROM {t} WHERE parked_at > '-infinity' \
-             AND published_at IS NULL AND ($1::bigint IS NULL OR seq = $1)"
+             AND parked_at < 'infinity' AND published_at IS NULL \
+             AND ($1::bigint IS NULL OR seq = $1)"
         ))
         .bind::<Nullable<BigInt>, _>(seq)
         .get_result(conn)
         .await?;
+        // where an ordered relay records its progress, its cursor may have read past the
+        // rows: they are released (`'infinity'`), read apart, and marked once published
+        let cov = Coverage::of(conn, table).await?;
         diesel::sql_query(format!(
-            "UPDATE {t} o SET parked_at = NULL, attempts = 0 WHERE o.parked_at IS NOT NULL \
+            "UPDATE {t} o SET parked_at = {}, \
+             attempts = 0 WHERE o.parked_at IS NOT NULL AND o.parked_at < 'infinity' \
              AND o.published_at IS NULL AND ($1::bigint IS NULL OR o.seq = $1 \
              OR (o.parked_at = '-infinity' AND o.seq > $1 AND EXISTS (SELECT 1 FROM {t} p \
              WHERE p.seq = $1 AND p.parked_at > '-infinity' \
-             AND p.aggregate_type = o.aggregate_type AND p.aggregate_id = o.aggregate_id)))"
+             AND p.aggregate_type = o.aggregate_type AND p.aggregate_id = o.aggregate_id)))",
+            if cov.in_use() {
+                "'infinity'::timestamptz"
+            } else {
+                "NULL"
+            }
         ))
         .bind::<Nullable<BigInt>, _>(seq)
         .execute(conn)

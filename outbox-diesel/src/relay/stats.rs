@@ -8,6 +8,10 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use crate::OutboxTable;
 
 use super::Flag;
+use super::progress::Coverage;
+
+/// A parked row: not held back behind one (`'-infinity'`), nor released (`'infinity'`).
+pub(crate) const PARKED: &str = "o.parked_at > '-infinity' AND o.parked_at < 'infinity'";
 
 /// Whether `table` exists (and is visible to this role).
 pub async fn table_exists(conn: &mut AsyncPgConnection, table: &OutboxTable) -> QueryResult<bool> {
@@ -43,15 +47,17 @@ pub struct Backlog {
 
 /// Reads the backlog of `table`.
 pub async fn backlog(conn: &mut AsyncPgConnection, table: &OutboxTable) -> QueryResult<Backlog> {
+    let cov = Coverage::of(conn, table).await?;
     diesel::sql_query(format!(
-        "SELECT count(*) AS unpublished, \
-         COALESCE(EXTRACT(EPOCH FROM now() - min(created_at)), 0)::float8 AS oldest_age_seconds, \
-         count(*) FILTER (WHERE parked_at > '-infinity') AS parked, \
-         count(*) FILTER (WHERE attempts > 0) AS in_doubt, \
-         COALESCE(EXTRACT(EPOCH FROM now() - min(created_at) FILTER (WHERE attempts > 0)), 0)::float8 \
+        "{}SELECT count(*) AS unpublished, \
+         COALESCE(EXTRACT(EPOCH FROM now() - min(o.created_at)), 0)::float8 AS oldest_age_seconds, \
+         count(*) FILTER (WHERE {PARKED}) AS parked, \
+         count(*) FILTER (WHERE o.attempts > 0) AS in_doubt, \
+         COALESCE(EXTRACT(EPOCH FROM now() - min(o.created_at) FILTER (WHERE o.attempts > 0)), 0)::float8 \
          AS oldest_in_doubt_age_seconds \
-         FROM {} WHERE published_at IS NULL",
-        table.quoted()
+         FROM {}",
+        cov.with(),
+        cov.unpublished(table)
     ))
     .get_result(conn)
     .await
@@ -81,16 +87,18 @@ pub async fn partition_backlog(
     table: &OutboxTable,
     count: u32,
 ) -> QueryResult<Vec<PartitionBacklog>> {
+    let cov = Coverage::of(conn, table).await?;
     diesel::sql_query(format!(
-        "SELECT p.partition, COALESCE(b.unpublished, 0) AS unpublished, \
+        "{}SELECT p.partition, COALESCE(b.unpublished, 0) AS unpublished, \
          COALESCE(b.oldest_age_seconds, 0)::float8 AS oldest_age_seconds, \
          COALESCE(b.parked, 0) AS parked \
          FROM generate_series(0, $1 - 1) AS p(partition) LEFT JOIN ( \
-         SELECT aggregate_hash % $1 AS partition, count(*) AS unpublished, \
-         EXTRACT(EPOCH FROM now() - min(created_at))::float8 AS oldest_age_seconds, \
-         count(*) FILTER (WHERE parked_at > '-infinity') AS parked \
-         FROM {} WHERE published_at IS NULL GROUP BY 1) b USING (partition) ORDER BY 1",
-        table.quoted()
+         SELECT o.aggregate_hash % $1 AS partition, count(*) AS unpublished, \
+         EXTRACT(EPOCH FROM now() - min(o.created_at))::float8 AS oldest_age_seconds, \
+         count(*) FILTER (WHERE {PARKED}) AS parked \
+         FROM {} GROUP BY 1) b USING (partition) ORDER BY 1",
+        cov.with(),
+        cov.unpublished(table)
     ))
     .bind::<Integer, _>(count.max(1) as i32)
     .load(conn)

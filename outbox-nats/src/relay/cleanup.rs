@@ -34,16 +34,28 @@ pub async fn sweep(
 ) -> QueryResult<u64> {
     let limit = batch.max(1) as i64;
     let mut total = 0u64;
-    while !shutdown.is_cancelled() {
-        let n = match archive {
-            Some(a) => db::archive_published(conn, table, a, retention, limit).await?,
-            None => db::delete_published(conn, table, retention, limit).await?,
-        };
-        total += n as u64;
-        metrics::counter!(m::CLEANUP_DELETED).increment(n as u64);
-        if (n as i64) < limit {
+    // the rows marked published, then those the ordered relay's progress covered
+    let snapshot_batches = db::has_progress(conn, table).await?;
+    for covered in [false, true] {
+        if covered && !snapshot_batches {
             break;
         }
+        while !shutdown.is_cancelled() {
+            let n = match (archive, covered) {
+                (Some(a), false) => db::archive_published(conn, table, a, retention, limit).await?,
+                (None, false) => db::delete_published(conn, table, retention, limit).await?,
+                (Some(a), true) => db::archive_read(conn, table, a, retention, limit).await?,
+                (None, true) => db::delete_read(conn, table, retention, limit).await?,
+            };
+            total += n as u64;
+            metrics::counter!(m::CLEANUP_DELETED).increment(n as u64);
+            if (n as i64) < limit {
+                break;
+            }
+        }
+    }
+    if snapshot_batches && !shutdown.is_cancelled() {
+        db::prune_progress(conn, table, retention).await?;
     }
     Ok(total)
 }

@@ -64,6 +64,11 @@ pub enum RelayError {
         "the outbox table {0} does not exist (or is not visible to this role); apply outbox-diesel's migrations (outbox_diesel::MIGRATIONS) or create it with outbox_diesel::create_table, or pass --table"
     )]
     TableMissing(String),
+    /// The outbox table predates snapshot batches, which the ordered relay reads it by.
+    #[error(
+        "the outbox table {0} has no `txid` column or no progress table (it predates snapshot batches); apply outbox-diesel's migrations (outbox_diesel::MIGRATIONS) or run outbox_diesel::create_table, which upgrade it"
+    )]
+    TableOutdated(String),
     /// The stream could not be found or made, or does not capture the subjects.
     #[error(transparent)]
     Stream(#[from] crate::publish::StreamError),
@@ -334,6 +339,26 @@ impl Relay {
         db::backlog(&mut conn, &cfg.table)
             .await
             .map_err(RelayError::Query)?;
+        if cfg.mode == Mode::Ordered {
+            if !db::has_progress(&mut conn, &cfg.table)
+                .await
+                .map_err(RelayError::Query)?
+            {
+                return Err(RelayError::TableOutdated(cfg.table.to_string()));
+            }
+        } else {
+            // the rows an ordered relay published are marked, so that this mode does not
+            // publish them again
+            let marked = db::settle_progress(&mut conn, &cfg.table)
+                .await
+                .map_err(RelayError::Query)?;
+            if marked > 0 {
+                info!(
+                    marked,
+                    "rows the ordered relay published are marked published_at"
+                );
+            }
+        }
         drop(conn);
         let mut backoff = Backoff::new(cfg.max_backoff);
         loop {

@@ -3,24 +3,27 @@
 //! publishes its rows in `seq` order.
 //!
 //! One session per process holds the process's membership lock and its partition locks, and
-//! reads every partition it owns with one query, so that losing the session loses every lease
-//! at once. Every `balance_interval` a relay counts the live relays of the table in
+//! reads every partition it owns (one query per partition and step), so that losing the
+//! session loses every lease at once. Every `balance_interval` a relay counts the live relays of the table in
 //! `pg_locks`, keeps its share of the partitions (N / relays, the oldest relays one more when
-//! it does not divide), releases the extra ones once the acks in flight have arrived and their
-//! rows are marked, and takes free ones. A relay that starts with another partition count than
+//! it does not divide), releases the extra ones once the acks in flight have arrived and are
+//! recorded, and takes free ones. A relay that starts with another partition count than
 //! an older running one waits until that one is gone: two partition counts at once would let
 //! two relays publish one aggregate.
 //!
 //! Publishing is a sequence of steps that keep the NATS pipeline full: in each step the rows
-//! fetched by the previous one are sent while the same session marks the rows acked so far and
-//! fetches the next batch, leaving out the rows the relay holds (queued, in flight, acked and
-//! not marked). Every fetch reads from the oldest unpublished row, so a transaction that
-//! commits after later rows were fetched is found by the next fetch, before the later rows of
-//! its aggregate (which, its writes being serialised, commit after it).
+//! fetched by the previous one are sent while the same session records what was acked so far
+//! and fetches the next batch of each partition. Nothing is written per row: a partition is
+//! read by snapshot batches (see `outbox_diesel::relay::progress`), from an in-memory cursor
+//! that runs ahead of the recorded one; a batch's cursor is recorded (one `INSERT`) once every
+//! row of it, and of the batches before it, is acked. After a failed publish, the batch's rows
+//! acked before the failure are recorded when they include its late rows, and reading goes on
+//! from the recorded cursor.
 //!
 //! A fetched row older than the stream's duplicate window (less a margin) may have been
-//! published by an owner that died before marking it: it is looked up in the stream first,
-//! and marked in its turn without being sent when its message is there (see `reconcile`).
+//! published by an owner that died before recording it: it is looked up in the stream first,
+//! and counts as acked in its turn without being sent when its message is there (see
+//! `reconcile`).
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -33,7 +36,7 @@ use outbox_diesel::relay::{self as db, OutboxRow, Partition};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use super::{Backoff, Health, Session, SessionEnd, idle, reconnecting, retire, settle};
+use super::{Backoff, Health, Session, SessionEnd, idle, reconnecting, settle};
 use crate::RelayConfig;
 use crate::lease::Lease;
 use crate::metrics as m;
@@ -105,7 +108,7 @@ impl Ordered {
         let mut lookups = self.reconciler.lookups();
         let mut holding = Holding {
             pipe: Pipeline::new(&self.js, cfg, &lease, &self.health, &self.shutdown),
-            held: BTreeSet::new(),
+            progress: Progress::default(),
             queue: Vec::new(),
         };
         while !self.shutdown.is_cancelled() {
@@ -128,40 +131,51 @@ impl Ordered {
                 }
                 continue;
             }
-            let partitions: Vec<i32> = owned.iter().map(|&p| p as i32).collect();
-            // one step: the queued rows are sent while the acked ones are marked and the next
-            // rows fetched, so that the NATS pipeline does not run dry during queries
-            let Holding { pipe, held, queue } = &mut holding;
-            let to_mark = pipe.take_acked();
-            let exclude: Vec<i64> = held.iter().copied().collect();
+            // one step: the queued rows are sent while the acks so far are recorded and the
+            // next rows fetched, so that the NATS pipeline does not run dry during queries
+            let Holding {
+                pipe,
+                progress,
+                queue,
+            } = &mut holding;
+            progress.acked(&pipe.take_acked());
             let sending = std::mem::take(queue);
             let span = info_span!(
                 "outbox.batch",
                 batch.len = sending.len(),
                 outbox.partitions = owned.len()
             );
+            let limit = cfg.rows_for(average_payload);
+            // the byte budget is shared by the partitions read in one step
+            let max_bytes = (cfg.max_batch_bytes / owned.len().max(1)).max(1) as i64;
             let queries = async {
                 let started = Instant::now();
-                let marked = retire(conn, cfg, &to_mark).await?;
-                // rows behind a parked row of their aggregate are held back, not returned
-                let rows = db::fetch_ready(
-                    conn,
-                    table,
-                    &partitions,
-                    cfg.partitions,
-                    &exclude,
-                    cfg.rows_for(average_payload),
-                    Some(cfg.max_batch_bytes as i64),
-                )
-                .await?;
+                let recorded = progress.record(conn, cfg, false).await?;
+                let mut fetched = Vec::new();
+                for &p in owned.iter() {
+                    let partition = Partition {
+                        index: p,
+                        count: cfg.partitions,
+                    };
+                    let exclude = progress.released_in_flight();
+                    let cursor = progress.read_cursor(partition);
+                    let batch = db::fetch_batch(
+                        conn, table, partition, &cursor, &exclude, limit, max_bytes,
+                    )
+                    .await?;
+                    if batch.held > 0 {
+                        debug!(
+                            held = batch.held,
+                            "rows held back behind a parked row of their aggregate"
+                        );
+                    }
+                    fetched.extend(progress.read(partition, cursor, batch));
+                }
                 lease.confirm(started);
-                debug!(marked, fetched = rows.len(), "marked and fetched");
-                Ok::<_, diesel::result::Error>(rows)
+                debug!(recorded, fetched = fetched.len(), "recorded and fetched");
+                Ok::<_, diesel::result::Error>(fetched)
             };
             let (fetched, _) = tokio::join!(queries, pipe.send_all(&sending).instrument(span));
-            for seq in &to_mark {
-                held.remove(seq);
-            }
             let fetched = fetched?;
             if !fetched.is_empty() {
                 metrics::histogram!(m::BATCH_ROWS).record(fetched.len() as f64);
@@ -169,7 +183,7 @@ impl Ordered {
             }
             if pipe.stopped() || self.shutdown.is_cancelled() {
                 // a failed publish, a lease in doubt, or shutdown: nothing more is sent; what
-                // was sent is acked and marked, the rest is fetched again
+                // was sent is acked and recorded, the rest is read again
                 holding.flush(conn).await?;
                 let end = holding.pipe.take_end();
                 // what was sent and not acked may be stored: a new horizon for the next look-ups
@@ -179,12 +193,17 @@ impl Ordered {
                 }
                 continue;
             }
-            // rows old enough to have been published by a relay that did not mark them are
-            // looked up first; those in the stream are marked in their turn, not sent
+            // rows old enough to have been published by a relay that did not record them are
+            // looked up first; those in the stream count as acked in their turn, not sent
             match lookups.stored(&fetched).await {
                 Ok(stored) => pipe.already_stored(stored),
                 Err(e) => {
                     warn!(error = %e, "rows in doubt cannot be looked up; retrying");
+                    holding
+                        .pipe
+                        .stop(crate::publish::pipeline::BatchEnd::Transient);
+                    holding.flush(conn).await?;
+                    holding.pipe.take_end();
                     if !backoff.sleep(&self.shutdown).await {
                         break;
                     }
@@ -192,19 +211,18 @@ impl Ordered {
                 }
             }
             backoff.reset();
-            held.extend(fetched.iter().map(|r| r.seq));
             *queue = fetched;
             if queue.is_empty() {
-                if pipe.is_empty() && held.is_empty() {
+                if pipe.is_empty() && progress.is_settled() {
                     self.health.progressed();
                     idle(conn, cfg, &self.shutdown, next_balance).await;
                 } else {
-                    // caught up: let the last acks arrive, mark them on the next step
+                    // caught up: let the last acks arrive, record them on the next step
                     pipe.drain().await;
                 }
             }
         }
-        // a clean stop: mark what was published, then hand the partitions over at once
+        // a clean stop: record what was published, then hand the partitions over at once
         holding.flush(conn).await?;
         for &p in owned.iter() {
             db::AdvisoryLock::Partition(
@@ -255,7 +273,7 @@ impl Ordered {
             if !owned.is_empty() {
                 // a partition is released only once what was published from it is marked
                 holding.flush(conn).await?;
-                self.release(conn, owned, owned.len()).await?;
+                self.release(conn, owned, owned.len(), holding).await?;
             }
             self.set_owned(owned);
             return Ok(());
@@ -273,7 +291,7 @@ impl Ordered {
         if owned.len() > fair {
             let extra = owned.len() - fair;
             holding.flush(conn).await?;
-            self.release(conn, owned, extra).await?;
+            self.release(conn, owned, extra, holding).await?;
         } else if owned.len() < fair {
             // start where this relay's share would begin, to spread the first attempts
             let start = (rank * fair) as u32 % n;
@@ -290,6 +308,10 @@ impl Ordered {
                     .try_lock(conn)
                     .await?
                 {
+                    holding
+                        .progress
+                        .acquire(conn, cfg, Partition { index: p, count: n })
+                        .await?;
                     owned.insert(p);
                     taken.push(p);
                 }
@@ -307,6 +329,7 @@ impl Ordered {
         conn: &mut AsyncPgConnection,
         owned: &mut BTreeSet<u32>,
         how_many: usize,
+        holding: &mut Holding<'_>,
     ) -> diesel::QueryResult<()> {
         let n = self.cfg.partitions;
         let victims: Vec<u32> = owned.iter().rev().take(how_many).copied().collect();
@@ -321,6 +344,7 @@ impl Ordered {
             .unlock(conn)
             .await?;
             owned.remove(p);
+            holding.progress.forget(*p);
         }
         if !victims.is_empty() {
             info!(partitions = ?victims, owned = owned.len(), "partitions released to balance with other relays");
@@ -335,27 +359,352 @@ pub(crate) fn average_payload_len(rows: &[OutboxRow]) -> usize {
     total / rows.len().max(1)
 }
 
-/// What a relay holds between steps: the pipeline, the rows fetched and not retired yet
-/// (queued, in flight, or acked), and the queue of fetched rows not sent yet, in `seq` order.
+/// What a relay holds between steps: the pipeline, the progress of its partitions, and the
+/// queue of fetched rows not sent yet, in `seq` order per partition.
 struct Holding<'a> {
     pipe: Pipeline<'a>,
-    held: BTreeSet<i64>,
+    progress: Progress,
     queue: Vec<OutboxRow>,
 }
 
 impl Holding<'_> {
-    /// Sends the queued rows (unless stopped), waits for every ack in flight and retires the
-    /// acked rows: afterwards the relay holds no row, and may hand a partition over.
+    /// Sends the queued rows (unless stopped), waits for every ack in flight and records what
+    /// was acked; then reads on from what is recorded: afterwards the relay holds no row, and
+    /// may hand a partition over.
     async fn flush(&mut self, conn: &mut AsyncPgConnection) -> diesel::QueryResult<()> {
         self.pipe.send_all(&self.queue).await;
         self.queue.clear();
         self.pipe.drain().await;
-        let acked = self.pipe.take_acked();
+        self.progress.acked(&self.pipe.take_acked());
         let started = Instant::now();
-        let marked = retire(conn, self.pipe.config(), &acked).await?;
+        let recorded = self.progress.record(conn, self.pipe.config(), true).await?;
         self.pipe.lease().confirm(started);
-        debug!(acked = acked.len(), marked, "flushed");
-        self.held.clear();
+        self.progress.rewind();
+        debug!(recorded, "flushed");
         Ok(())
+    }
+}
+
+/// A batch read and not recorded yet.
+#[derive(Debug)]
+struct Pending {
+    /// The cursor's `seq` before the batch.
+    before: i64,
+    /// The cursor once every row of the batch is acked.
+    after: db::Cursor,
+    /// The rows of the batch (read after the cursor, or late), in `seq` order.
+    seqs: Vec<i64>,
+    /// Those not acked yet.
+    unacked: BTreeSet<i64>,
+}
+
+impl Pending {
+    /// The cursor the acks so far allow: the whole batch's when all are acked; when the rows
+    /// before the first unacked one include every late row (all at or below `before`), the
+    /// snapshot of the batch with the highest `seq` acked; otherwise none.
+    fn reached(&self) -> Option<db::Cursor> {
+        let Some(&first_unacked) = self.unacked.first() else {
+            return Some(self.after.clone());
+        };
+        if first_unacked <= self.before {
+            return None;
+        }
+        let acked = self
+            .seqs
+            .iter()
+            .copied()
+            .take_while(|&s| s < first_unacked)
+            .max()
+            .unwrap_or(self.before)
+            .max(self.before);
+        Some(db::Cursor {
+            upto_seq: acked,
+            snap: self.after.snap.clone(),
+        })
+    }
+}
+
+/// One owned partition's progress.
+#[derive(Debug)]
+struct PartitionProgress {
+    /// Where the next fetch reads from.
+    read: db::Cursor,
+    /// The last cursor recorded in the progress table.
+    recorded: db::Cursor,
+    /// Batches read and not recorded, oldest first.
+    pending: std::collections::VecDeque<Pending>,
+}
+
+/// The progress of the partitions a relay owns: their cursors, the batches in flight, and the
+/// released rows in flight (see `outbox_diesel::relay::progress`).
+#[derive(Debug, Default)]
+struct Progress {
+    parts: std::collections::BTreeMap<u32, PartitionProgress>,
+    /// Rows in flight: `seq` → (partition, released)
+    rows: std::collections::HashMap<i64, (u32, bool)>,
+    /// Released rows acked, to mark
+    released_acked: Vec<i64>,
+    /// Rows acked, to delete (with `--delete-published`)
+    acked_rows: Vec<i64>,
+    count: u32,
+}
+
+impl Progress {
+    /// Takes over `partition`: reads on from its recorded cursor.
+    async fn acquire(
+        &mut self,
+        conn: &mut AsyncPgConnection,
+        cfg: &RelayConfig,
+        partition: Partition,
+    ) -> diesel::QueryResult<()> {
+        let cursor = db::start_cursor(conn, &cfg.table, partition).await?;
+        self.count = partition.count;
+        self.parts.insert(
+            partition.index,
+            PartitionProgress {
+                read: cursor.clone(),
+                recorded: cursor,
+                pending: Default::default(),
+            },
+        );
+        Ok(())
+    }
+
+    /// Forgets a released partition (after a flush: nothing of it is in flight).
+    fn forget(&mut self, index: u32) {
+        self.parts.remove(&index);
+    }
+
+    fn read_cursor(&self, partition: Partition) -> db::Cursor {
+        self.parts
+            .get(&partition.index)
+            .map(|p| p.read.clone())
+            .unwrap_or_else(db::Cursor::start)
+    }
+
+    /// The released rows in flight, which the next fetch must not return again.
+    fn released_in_flight(&self) -> Vec<i64> {
+        self.rows
+            .iter()
+            .filter(|(_, (_, released))| *released)
+            .map(|(&s, _)| s)
+            .collect()
+    }
+
+    /// Takes a fetched batch of `partition`, read at `cursor`: returns its rows to send.
+    fn read(
+        &mut self,
+        partition: Partition,
+        cursor: db::Cursor,
+        batch: db::Batch,
+    ) -> Vec<OutboxRow> {
+        let Some(part) = self.parts.get_mut(&partition.index) else {
+            return Vec::new();
+        };
+        let mut seqs = Vec::new();
+        let mut rows = Vec::with_capacity(batch.rows.len());
+        for (row, source) in batch.rows {
+            let released = source == db::Source::Released;
+            if !released {
+                seqs.push(row.seq);
+            }
+            self.rows.insert(row.seq, (partition.index, released));
+            rows.push(row);
+        }
+        if batch.next != cursor || !seqs.is_empty() {
+            part.pending.push_back(Pending {
+                before: cursor.upto_seq,
+                after: batch.next.clone(),
+                unacked: seqs.iter().copied().collect(),
+                seqs,
+            });
+        }
+        part.read = batch.next;
+        rows
+    }
+
+    /// Takes the acks (by `seq`).
+    fn acked(&mut self, seqs: &[i64]) {
+        for seq in seqs {
+            let Some((index, released)) = self.rows.remove(seq) else {
+                continue;
+            };
+            self.acked_rows.push(*seq);
+            if released {
+                self.released_acked.push(*seq);
+                continue;
+            }
+            if let Some(part) = self.parts.get_mut(&index) {
+                for pending in part.pending.iter_mut() {
+                    if pending.unacked.remove(seq) {
+                        break;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whether nothing read is waiting for acks or for its record.
+    fn is_settled(&self) -> bool {
+        self.rows.is_empty() && self.parts.values().all(|p| p.pending.is_empty())
+    }
+
+    /// Records the cursors the acks allow (with `partial`, also within a batch), marks the
+    /// released rows acked (and deletes the acked rows with `--delete-published`); returns
+    /// how many partitions' cursors it recorded.
+    async fn record(
+        &mut self,
+        conn: &mut AsyncPgConnection,
+        cfg: &RelayConfig,
+        partial: bool,
+    ) -> diesel::QueryResult<usize> {
+        let mut cursors = Vec::new();
+        for (&index, part) in self.parts.iter_mut() {
+            let mut reached = None;
+            while let Some(front) = part.pending.front() {
+                if front.unacked.is_empty() {
+                    reached = Some(front.after.clone());
+                    part.pending.pop_front();
+                } else {
+                    if partial {
+                        reached = front.reached().or(reached);
+                    }
+                    break;
+                }
+            }
+            if let Some(c) = reached.filter(|c| *c != part.recorded) {
+                cursors.push((
+                    Partition {
+                        index,
+                        count: self.count,
+                    },
+                    c,
+                ));
+            }
+        }
+        // the acked rows are deleted (or the released ones marked) before the cursor passes
+        // them: a relay that dies in between publishes them again, never leaves them behind
+        let released = std::mem::take(&mut self.released_acked);
+        let acked = std::mem::take(&mut self.acked_rows);
+        if cfg.delete_published {
+            db::delete_acked(conn, &cfg.table, &acked).await?;
+        } else {
+            db::mark_released(conn, &cfg.table, &released).await?;
+        }
+        db::record_progress(conn, &cfg.table, &cursors).await?;
+        for (p, c) in &cursors {
+            if let Some(part) = self.parts.get_mut(&p.index) {
+                part.recorded = c.clone();
+            }
+        }
+        Ok(cursors.len())
+    }
+
+    /// After a stop: what was read and not recorded is read again from the recorded cursors.
+    fn rewind(&mut self) {
+        self.rows.clear();
+        self.released_acked.clear();
+        self.acked_rows.clear();
+        for part in self.parts.values_mut() {
+            part.pending.clear();
+            part.read = part.recorded.clone();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cursor(upto_seq: i64, snap: &str) -> db::Cursor {
+        db::Cursor {
+            upto_seq,
+            snap: snap.to_owned(),
+        }
+    }
+
+    #[test]
+    fn a_batch_acked_whole_reaches_its_cursor() {
+        let p = Pending {
+            before: 10,
+            after: cursor(20, "5:9:"),
+            seqs: vec![4, 12, 20],
+            unacked: BTreeSet::new(),
+        };
+        assert_eq!(p.reached(), Some(cursor(20, "5:9:")));
+    }
+
+    #[test]
+    fn a_prefix_past_the_late_rows_reaches_its_highest_seq() {
+        let p = Pending {
+            before: 10,
+            after: cursor(20, "5:9:"),
+            seqs: vec![4, 12, 15, 20],
+            unacked: [15, 20].into_iter().collect(),
+        };
+        assert_eq!(p.reached(), Some(cursor(12, "5:9:")));
+    }
+
+    #[test]
+    fn a_late_row_unacked_reaches_nothing() {
+        let p = Pending {
+            before: 10,
+            after: cursor(20, "5:9:"),
+            seqs: vec![4, 12, 20],
+            unacked: [4].into_iter().collect(),
+        };
+        assert_eq!(p.reached(), None);
+    }
+
+    #[test]
+    fn progress_records_in_batch_order_and_rewinds_to_the_record() {
+        let mut progress = Progress {
+            count: 1,
+            ..Default::default()
+        };
+        progress.parts.insert(
+            0,
+            PartitionProgress {
+                read: db::Cursor::start(),
+                recorded: db::Cursor::start(),
+                pending: Default::default(),
+            },
+        );
+        let row = |seq| OutboxRow {
+            seq,
+            id: uuid::Uuid::from_u128(seq as u128),
+            aggregate_type: "a".into(),
+            aggregate_id: "1".into(),
+            event_type: "e".into(),
+            payload: serde_json::json!({}).into(),
+            headers: serde_json::json!({}),
+            created_at: chrono::Utc::now(),
+            attempts: 0,
+        };
+        let first = db::Batch {
+            rows: vec![(row(1), db::Source::Next), (row(2), db::Source::Next)],
+            next: cursor(2, "3:3:"),
+            held: 0,
+        };
+        let second = db::Batch {
+            rows: vec![(row(3), db::Source::Next)],
+            next: cursor(3, "3:4:"),
+            held: 0,
+        };
+        let all = Partition::ALL;
+        assert_eq!(progress.read(all, db::Cursor::start(), first).len(), 2);
+        assert_eq!(progress.read(all, cursor(2, "3:3:"), second).len(), 1);
+        assert_eq!(progress.read_cursor(all), cursor(3, "3:4:"));
+        // the second batch acked before the first is whole: nothing recorded past the first
+        progress.acked(&[3, 1]);
+        let part = &progress.parts[&0];
+        assert!(
+            part.pending
+                .front()
+                .is_some_and(|p| p.reached() == Some(cursor(1, "3:3:")))
+        );
+        progress.rewind();
+        assert_eq!(progress.read_cursor(all), db::Cursor::start());
+        assert!(progress.is_settled());
     }
 }
