@@ -662,3 +662,67 @@ async fn delete_published_relay_killed_mid_stream_loses_nothing_and_keeps_order(
         assert_eq!(ns, &expected, "events of {agg} in commit order, none lost");
     }
 }
+
+/// A table made by the migrations before snapshot batches, with rows an earlier relay published
+/// and rows it did not: the ordered relay refuses it until it is upgraded, then publishes the
+/// unpublished rows alone, in order, and the audit view dates every row.
+#[tokio::test]
+async fn a_table_made_before_snapshot_batches_is_upgraded_and_publishes_only_its_unpublished_rows()
+{
+    use diesel_migrations::MigrationHarness;
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let mut conn = db.conn();
+    conn.revert_last_migration(outbox_diesel::MIGRATIONS)
+        .expect("back to the table of the earlier migrations");
+    let has_txid = "SELECT count(*) FROM pg_attribute WHERE attrelid = 'outbox'::regclass \
+                    AND attname = 'txid' AND NOT attisdropped";
+    assert_eq!(db.scalar(has_txid), 0);
+    // three rows the earlier relay published, two it did not
+    diesel::sql_query(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, published_at) \
+         SELECT gen_random_uuid(), 'order', 'u-' || i, 'order.placed', '{}', \
+         CASE WHEN i <= 3 THEN now() - interval '1 minute' END FROM generate_series(1, 5) i",
+    )
+    .execute(&mut conn)
+    .expect("the earlier rows");
+
+    let nats = async_nats::connect(&stream.nats_url)
+        .await
+        .expect("connect to NATS");
+    let refused = Relay::new(config(&db, &stream), nats)
+        .run(CancellationToken::new())
+        .await
+        .expect_err("the relay refuses a table without snapshot batches");
+    assert!(
+        refused.to_string().contains("predates snapshot batches"),
+        "{refused}"
+    );
+
+    conn.run_pending_migrations(outbox_diesel::MIGRATIONS)
+        .expect("upgrade");
+    assert_eq!(db.scalar(has_txid), 1);
+    let relay = InProcessRelay::start(config(&db, &stream), &stream).await;
+    conn.transaction(|conn| {
+        conn.record_event(&OrderPlaced {
+            order_id: "u-6".into(),
+            n: 6,
+        })
+    })
+    .expect("a row recorded after the upgrade");
+    wait_published(&db, 6).await;
+    relay.stop().await;
+    let got: Vec<String> = stream
+        .read_all()
+        .await
+        .into_iter()
+        .map(|m| m.aggregate_id)
+        .collect();
+    assert_eq!(got, ["u-4", "u-5", "u-6"]);
+    assert_eq!(
+        db.scalar(
+            "SELECT count(*) FROM outbox_audit WHERE published_at < now() - interval '30 seconds'"
+        ),
+        3,
+        "the rows the earlier relay published keep their time"
+    );
+}
