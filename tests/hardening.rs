@@ -15,7 +15,9 @@ use diesel::prelude::*;
 use outbox_diesel::OutboxExt;
 use support::events::{Changed, changed};
 use support::servers::NatsServer;
-use support::{Proc, Relay, TestDb, TestStream, free_port, http_get, relay_command, wait_until};
+use support::{
+    Proc, Relay, TestDb, TestStream, free_port, http_get, relay_command, wait_published, wait_until,
+};
 
 /// Inserts `n` rows of `n` distinct aggregates with plain SQL, in one statement.
 fn insert_rows(db: &TestDb, n: i64) {
@@ -162,11 +164,9 @@ async fn a_full_discard_new_stream_parks_nothing_and_flows_when_its_limit_is_rai
     let stream = TestStream::new();
     let js = stream.js().await;
     let mut config = Config {
-        name: stream.name.clone(),
-        subjects: vec![format!("{}.>", stream.prefix)],
         max_messages: 10,
         discard: DiscardPolicy::New,
-        ..Default::default()
+        ..stream.config()
     };
     js.create_stream(config.clone())
         .await
@@ -317,15 +317,6 @@ fn owners_per_pid(db: &TestDb) -> HashMap<i32, usize> {
     per_pid
 }
 
-async fn wait_published(db: &TestDb, n: i64) {
-    wait_until(
-        Duration::from_secs(30),
-        &format!("{n} rows published"),
-        || async { db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL") >= n },
-    )
-    .await;
-}
-
 // 2. Relays running as different roles, with only the README's GRANTs: each sees the other in
 // `pg_locks` (another role's `pg_stat_activity.backend_start` is NULL to it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -367,7 +358,7 @@ async fn relays_running_as_different_roles_share_the_partitions() {
         "each relay runs as its own role"
     );
     record(&mut db.conn(), 200, 40);
-    wait_published(&db, 200).await;
+    wait_published(&db, 200, Duration::from_secs(30)).await;
     assert_eq!(stream.count().await, 200);
 }
 
@@ -407,7 +398,7 @@ async fn two_relays_share_the_largest_partition_count() {
         "a membership key names another table"
     );
     record(&mut db.conn(), 300, 300);
-    wait_published(&db, 300).await;
+    wait_published(&db, 300, Duration::from_secs(30)).await;
 }
 
 #[test]
@@ -653,7 +644,7 @@ async fn unordered_claim_survives_acks_slower_than_the_lease() {
         ),
     );
     record(&mut db.conn(), 1, 1);
-    wait_published(&db, 1).await;
+    wait_published(&db, 1, Duration::from_secs(30)).await;
     let before = relay_sessions(&db);
     assert_eq!(before.len(), 1, "{before:?}");
 
@@ -671,7 +662,7 @@ async fn unordered_claim_survives_acks_slower_than_the_lease() {
     tokio::time::sleep(Duration::from_millis(4500)).await;
     nats.proc.signal("CONT");
 
-    wait_published(&db, 21).await;
+    wait_published(&db, 21, Duration::from_secs(30)).await;
     assert_eq!(
         relay_sessions(&db),
         before,
@@ -904,12 +895,10 @@ async fn a_poll_costs_the_same_whatever_number_of_rows_wait_behind_a_parked_one(
     .expect("park");
     insert("'hot'", 20_000);
     insert("'o-' || i", 200);
-    diesel::sql_query("VACUUM ANALYZE outbox")
-        .execute(&mut db.conn())
-        .expect("vacuum");
+    db.execute("VACUUM ANALYZE outbox", "vacuum");
 
     let relay = Proc::spawn("relay", &mut relay_command(&db, &stream, &[]));
-    wait_published(&db, 200).await;
+    wait_published(&db, 200, Duration::from_secs(30)).await;
     // the relay meets each held-back row once, and sets it aside
     wait_until(
         Duration::from_secs(30),
@@ -921,9 +910,7 @@ async fn a_poll_costs_the_same_whatever_number_of_rows_wait_behind_a_parked_one(
     .await;
     drop(relay);
     // as autovacuum does after 1,000 dead index entries (the table's threshold)
-    diesel::sql_query("VACUUM outbox")
-        .execute(&mut db.conn())
-        .expect("vacuum");
+    db.execute("VACUUM outbox", "vacuum");
     let plan = analyzed_poll(&db).await;
     let text = plan.join("\n");
     assert!(
@@ -939,12 +926,11 @@ async fn a_poll_costs_the_same_whatever_number_of_rows_wait_behind_a_parked_one(
     assert_eq!(stream.count().await, 200);
 
     // the same poll over the same table without held-back rows: the same cost
-    diesel::sql_query("DELETE FROM outbox WHERE aggregate_id = 'hot'")
-        .execute(&mut db.conn())
-        .expect("delete the hot aggregate");
-    diesel::sql_query("VACUUM outbox")
-        .execute(&mut db.conn())
-        .expect("vacuum");
+    db.execute(
+        "DELETE FROM outbox WHERE aggregate_id = 'hot'",
+        "delete the hot aggregate",
+    );
+    db.execute("VACUUM outbox", "vacuum");
     let empty = buffers(&analyzed_poll(&db).await);
     println!("poll buffers: {held} with 20,000 rows held back, {empty} with none");
     assert!(
@@ -960,13 +946,14 @@ async fn retry_releases_the_rows_held_back_behind_a_parked_one_in_order() {
     let db = TestDb::new();
     let stream = TestStream::new();
     record(&mut db.conn(), 1, 1);
-    diesel::sql_query("UPDATE outbox SET parked_at = now(), attempts = 5, last_error = 'rejected'")
-        .execute(&mut db.conn())
-        .expect("park");
+    db.execute(
+        "UPDATE outbox SET parked_at = now(), attempts = 5, last_error = 'rejected'",
+        "park",
+    );
     let parked_seq = db.scalar("SELECT min(seq) FROM outbox");
     record(&mut db.conn(), 30, 3); // acct-0 (behind the parked row), acct-1, acct-2
     let relay = Proc::spawn("relay", &mut relay_command(&db, &stream, &[]));
-    wait_published(&db, 20).await;
+    wait_published(&db, 20, Duration::from_secs(30)).await;
     wait_until(
         Duration::from_secs(20),
         "acct-0's rows held back",
@@ -989,7 +976,7 @@ async fn retry_releases_the_rows_held_back_behind_a_parked_one_in_order() {
         db.scalar("SELECT count(*) FROM outbox WHERE parked_at IS NOT NULL"),
         0
     );
-    wait_published(&db, 31).await;
+    wait_published(&db, 31, Duration::from_secs(30)).await;
     drop(relay);
     let msgs = stream.read_all().await;
     let acct0: Vec<i64> = msgs

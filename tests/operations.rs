@@ -572,9 +572,7 @@ async fn cleanup_command_deletes_only_rows_older_than_the_retention_and_cleaners
     assert_eq!(db.scalar("SELECT count(*) FROM outbox"), 15);
 
     // archive instead of deleting
-    diesel::sql_query("CREATE TABLE outbox_archive (LIKE outbox)")
-        .execute(&mut db.conn())
-        .expect("archive table");
+    db.execute("CREATE TABLE outbox_archive (LIKE outbox)", "archive table");
     let out = cleanup(&["--retention", "0", "--archive-table", "outbox_archive"]);
     assert!(
         out.status.success(),
