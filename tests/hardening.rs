@@ -16,7 +16,8 @@ use outbox_diesel::OutboxExt;
 use support::events::{Changed, changed};
 use support::servers::NatsServer;
 use support::{
-    Proc, Relay, TestDb, TestStream, free_port, http_get, relay_command, wait_published, wait_until,
+    Proc, Relay, TestDb, TestStream, free_port, http_get, relay_command, relay_with_metrics,
+    wait_published, wait_until,
 };
 
 /// Inserts `n` rows of `n` distinct aggregates with plain SQL, in one statement.
@@ -116,12 +117,7 @@ async fn a_relay_that_acks_nothing_while_rows_wait_is_not_ready() {
     let nats = NatsServer::start();
     let db = TestDb::new();
     let stream = TestStream::on(&nats.url());
-    let addr = format!("127.0.0.1:{}", free_port());
-    let relay = Relay::start(relay_command(
-        &db,
-        &stream,
-        &["--metrics-addr", &addr, "--stall-after", "2s"],
-    ));
+    let (relay, addr) = relay_with_metrics(&db, &stream, &["--stall-after", "2s"]);
     let t = Duration::from_secs(30);
     insert_rows(&db, 10);
     drained(&db, &relay, t).await;
@@ -172,25 +168,13 @@ async fn a_full_discard_new_stream_parks_nothing_and_flows_when_its_limit_is_rai
         .await
         .expect("create the stream");
     // 30 rows over 3 aggregates: 10 fit, 20 wait
-    diesel::sql_query(
+    db.execute(
         "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
          SELECT gen_random_uuid(), 'order', 'o-' || (i % 3), 'order.placed', jsonb_build_object('n', i) \
          FROM generate_series(1, 30) AS i",
-    )
-    .execute(&mut db.conn())
-    .expect("insert rows");
-    let addr = format!("127.0.0.1:{}", free_port());
-    let relay = Relay::start(relay_command(
-        &db,
-        &stream,
-        &[
-            "--metrics-addr",
-            &addr,
-            "--max-attempts",
-            "2",
-            "--no-cleanup",
-        ],
-    ));
+        "insert rows",
+    );
+    let (relay, addr) = relay_with_metrics(&db, &stream, &["--max-attempts", "2", "--no-cleanup"]);
     let t = Duration::from_secs(30);
     wait_until(t, "10 messages in the stream", || async {
         stream.count().await == 10
@@ -733,13 +717,12 @@ async fn a_subject_past_the_documented_bound_is_refused_at_record_time_and_one_a
 async fn a_row_whose_subject_is_too_long_is_parked_not_retried_forever() {
     let db = TestDb::new();
     let stream = TestStream::new();
-    diesel::sql_query(
+    db.execute(
         "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES \
          (gen_random_uuid(), 'order', repeat('é', 1500), 'order.placed', '{\"n\": 1}'), \
          (gen_random_uuid(), 'order', 'short', 'order.placed', '{\"n\": 2}')",
-    )
-    .execute(&mut db.conn())
-    .expect("insert rows");
+        "insert rows",
+    );
     let relay = Relay::start(relay_command(&db, &stream, &["--no-cleanup"]));
     let t = Duration::from_secs(30);
     let start = std::time::Instant::now();
@@ -855,10 +838,7 @@ fn buffers(plan: &[String]) -> u64 {
 
 /// The relay's poll of the whole table (`--partitions 1`), executed in a relay's session.
 async fn analyzed_poll(db: &TestDb) -> Vec<String> {
-    let mut conn = db.async_conn().await;
-    outbox_diesel::relay::prepare_session(&mut conn)
-        .await
-        .expect("prepare the session");
+    let mut conn = db.relay_session().await;
     outbox_diesel::relay::explain_poll_analyze(
         &mut conn,
         &outbox_diesel::OutboxTable::DEFAULT,
@@ -887,12 +867,11 @@ async fn a_poll_costs_the_same_whatever_number_of_rows_wait_behind_a_parked_one(
     };
     // the hot aggregate's first row was rejected for good and parked
     insert("'hot'", 1);
-    diesel::sql_query(
+    db.execute(
         "UPDATE outbox SET parked_at = now(), attempts = 5, last_error = 'rejected' \
          WHERE aggregate_id = 'hot'",
-    )
-    .execute(&mut db.conn())
-    .expect("park");
+        "park",
+    );
     insert("'hot'", 20_000);
     insert("'o-' || i", 200);
     db.execute("VACUUM ANALYZE outbox", "vacuum");

@@ -98,6 +98,15 @@ impl TestDb {
             .expect(what);
     }
 
+    /// An async connection prepared as a relay's session prepares it (for its plans).
+    pub async fn relay_session(&self) -> diesel_async::AsyncPgConnection {
+        let mut conn = self.async_conn().await;
+        outbox_diesel::relay::prepare_session(&mut conn)
+            .await
+            .expect("prepare the session");
+        conn
+    }
+
     /// Runs `sql` and returns the first column of the first row as i64.
     pub fn scalar(&self, sql: &str) -> i64 {
         #[derive(QueryableByName)]
@@ -466,6 +475,16 @@ impl Drop for Relay {
         self.proc.kill();
         let _ = std::fs::remove_file(&self.log);
     }
+}
+
+/// A relay process (see [`relay_command`]) with its admin listener (`/metrics`, `/healthz`,
+/// `/readyz`) on a free port of its own, and extra `args`: the relay and the listener's address.
+pub fn relay_with_metrics(db: &TestDb, stream: &TestStream, args: &[&str]) -> (Relay, String) {
+    let addr = format!("127.0.0.1:{}", free_port());
+    let mut all = vec!["--metrics-addr", addr.as_str()];
+    all.extend_from_slice(args);
+    let relay = Relay::start(relay_command(db, stream, &all));
+    (relay, addr)
 }
 
 /// `GET path` over HTTP/1.0 from `addr`: the status code and the body.
