@@ -272,21 +272,12 @@ impl Bench {
         Ok(())
     }
 
-    /// Whether unpublished rows are left. An `EXISTS` on the partial index: counting the
-    /// published rows instead would cost the database more than the relay's own queries.
+    /// Whether unpublished rows are left: the relay's own backlog query, which reads the
+    /// ordered relay's cursors and the indexes behind them (counting the published rows instead
+    /// would cost the database more than the relay's own queries).
     async fn unpublished_left(&self, conn: &mut AsyncPgConnection) -> Result<bool> {
-        use diesel_async::RunQueryDsl;
-        #[derive(QueryableByName)]
-        struct E {
-            #[diesel(sql_type = diesel::sql_types::Bool)]
-            e: bool,
-        }
-        let e: E = diesel::sql_query(
-            "SELECT EXISTS (SELECT 1 FROM outbox WHERE published_at IS NULL) AS e",
-        )
-        .get_result(conn)
-        .await?;
-        Ok(e.e)
+        let b = outbox_diesel::relay::backlog(conn, &outbox_diesel::OutboxTable::DEFAULT).await?;
+        Ok(b.unpublished > 0)
     }
 
     /// Whether a drain of `n` events into `stream` is unfinished: unpublished rows are left,

@@ -94,17 +94,8 @@ enum OrderEvent {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    // logs go to stderr (colours only on a terminal, and not with NO_COLOR); the events, the
-    // data, go to stdout
-    let colour = std::io::IsTerminal::is_terminal(&std::io::stderr())
-        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_ansi(colour)
-        .with_writer(std::io::stderr)
-        .init();
+    // logs go to stderr; the events, the data, go to stdout
+    logs::init();
     let args = Args::parse();
     match run(args).await {
         Ok(()) => ExitCode::SUCCESS,
@@ -178,6 +169,8 @@ fn order_id(e: &OrderEvent) -> i64 {
 
 #[path = "support/database.rs"]
 mod database;
+#[path = "support/logs.rs"]
+mod logs;
 
 /// The per-order tally, created beside the inbox.
 const TALLY_DDL: &str =

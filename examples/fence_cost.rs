@@ -131,7 +131,7 @@ async fn run(
             left: bool,
         }
         let l: Left = diesel::sql_query(
-            "SELECT EXISTS (SELECT 1 FROM outbox WHERE published_at IS NULL) AS left",
+            "SELECT EXISTS (SELECT 1 FROM outbox_audit WHERE published_at IS NULL) AS left",
         )
         .get_result(&mut conn)?;
         if !l.left {

@@ -416,16 +416,7 @@ async fn get_order(
 #[tokio::main]
 async fn main() -> ExitCode {
     let args = Args::parse();
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    // colours only on a terminal, and not with NO_COLOR
-    let colour = std::io::IsTerminal::is_terminal(&std::io::stderr())
-        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(colour)
-        .with_writer(std::io::stderr)
-        .init();
+    logs::init();
     match run(args).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -511,6 +502,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
 
 #[path = "support/database.rs"]
 mod database;
+#[path = "support/logs.rs"]
+mod logs;
 
 async fn connect_nats(nats: &NatsArgs) -> anyhow::Result<async_nats::Client> {
     let url = &nats.nats_url;

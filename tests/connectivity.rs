@@ -47,10 +47,8 @@ async fn relay_and_consumer_connect_through_a_seed_list_whose_first_seed_is_down
     // never answer; what this test checks is the seed list, not JetStream's placement
     let js = stream.js().await;
     js.create_stream(async_nats::jetstream::stream::Config {
-        name: stream.name.clone(),
-        subjects: vec![format!("{}.>", stream.prefix)],
         num_replicas: 3,
-        ..Default::default()
+        ..stream.config()
     })
     .await
     .expect("a stream replicated on the three nodes");
@@ -218,9 +216,7 @@ async fn client_certificate_authenticates_the_relay() {
     let certs = TestCerts::make();
     let cluster = PgCluster::start_tls(&certs);
     let db = TestDb::on(&cluster.base_url());
-    diesel::sql_query("CREATE ROLE tlsclient LOGIN SUPERUSER")
-        .execute(&mut db.conn())
-        .expect("create the role");
+    db.execute("CREATE ROLE tlsclient LOGIN SUPERUSER", "create the role");
     let url = format!(
         "postgres://tlsclient@localhost:{}/{}?sslmode=verify-full&sslrootcert={}&sslcert={}&sslkey={}",
         cluster.port,

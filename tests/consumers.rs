@@ -49,12 +49,11 @@ fn credited(amount: i64) -> AccountEvent {
 
 /// The consumer's state: a balance that every event changes, so a second application shows.
 fn create_balances(db: &TestDb) {
-    diesel::sql_query("CREATE TABLE balances (account text PRIMARY KEY, total bigint NOT NULL)")
-        .execute(&mut db.conn())
-        .expect("create balances");
-    diesel::sql_query("INSERT INTO balances VALUES ('a', 0)")
-        .execute(&mut db.conn())
-        .expect("insert balance");
+    db.execute(
+        "CREATE TABLE balances (account text PRIMARY KEY, total bigint NOT NULL)",
+        "create balances",
+    );
+    db.execute("INSERT INTO balances VALUES ('a', 0)", "insert balance");
 }
 
 fn balance(db: &TestDb) -> i64 {
@@ -113,10 +112,8 @@ fn config(db: &TestDb, stream: &TestStream) -> ConsumerConfig {
 async fn create_stream(stream: &TestStream, duplicate_window: Duration) -> jetstream::Context {
     let js = stream.js().await;
     js.create_stream(stream::Config {
-        name: stream.name.clone(),
-        subjects: vec![format!("{}.>", stream.prefix)],
         duplicate_window,
-        ..Default::default()
+        ..stream.config()
     })
     .await
     .expect("create the stream");
@@ -171,10 +168,7 @@ async fn wait_settled(stream: &TestStream, seq: u64) {
 }
 
 /// A consumer running in this process until stopped (or dropped).
-struct RunningConsumer {
-    shutdown: CancellationToken,
-    task: Option<tokio::task::JoinHandle<Result<(), ConsumerError>>>,
-}
+type RunningConsumer = support::task::Running<ConsumerError>;
 
 impl RunningConsumer {
     async fn start<F, Er>(config: ConsumerConfig, stream: &TestStream, handler: F) -> Self
@@ -192,29 +186,9 @@ impl RunningConsumer {
         let nats = async_nats::connect(&stream.nats_url)
             .await
             .expect("connect to NATS");
-        let shutdown = CancellationToken::new();
-        let task = tokio::spawn(Consumer::new(config, nats).run(shutdown.clone(), handler));
-        RunningConsumer {
-            shutdown,
-            task: Some(task),
-        }
-    }
-
-    async fn stop(mut self) {
-        self.shutdown.cancel();
-        if let Some(t) = self.task.take() {
-            tokio::time::timeout(Duration::from_secs(10), t)
-                .await
-                .expect("the consumer stops within 10 s")
-                .expect("consumer task")
-                .expect("consumer result");
-        }
-    }
-}
-
-impl Drop for RunningConsumer {
-    fn drop(&mut self) {
-        self.shutdown.cancel();
+        Self::spawn("consumer", move |shutdown| {
+            Consumer::new(config, nats).run(shutdown, handler)
+        })
     }
 }
 
@@ -531,9 +505,7 @@ async fn shutdown_finishes_the_message_in_hand_then_returns() {
 async fn missing_inbox_table_is_a_clear_start_up_error() {
     let (db, stream) = (TestDb::new(), TestStream::new());
     create_stream(&stream, Duration::from_secs(120)).await;
-    diesel::sql_query("DROP TABLE processed_messages")
-        .execute(&mut db.conn())
-        .expect("drop");
+    db.execute("DROP TABLE processed_messages", "drop");
     let nats = async_nats::connect(&stream.nats_url)
         .await
         .expect("connect");

@@ -10,8 +10,7 @@ use diesel::prelude::*;
 use outbox_diesel::{AsyncOutboxExt, Outbox, OutboxEvent, OutboxExt, OutboxTable};
 use outbox_nats::{Relay, RelayConfig};
 use serde::Serialize;
-use support::{TestDb, TestStream, wait_until};
-use tokio_util::sync::CancellationToken;
+use support::{TestDb, TestStream, wait_published, wait_until};
 
 #[derive(Debug, Clone, Serialize, OutboxEvent)]
 #[outbox(aggregate_type = "order", event_type = "order.placed")]
@@ -29,46 +28,22 @@ diesel::table! {
 }
 
 fn create_orders(db: &TestDb) {
-    diesel::sql_query("CREATE TABLE orders (id text PRIMARY KEY, total bigint NOT NULL)")
-        .execute(&mut db.conn())
-        .expect("create orders");
+    db.execute(
+        "CREATE TABLE orders (id text PRIMARY KEY, total bigint NOT NULL)",
+        "create orders",
+    );
 }
 
 /// Runs a relay in this process until the returned guard is dropped.
-struct InProcessRelay {
-    shutdown: CancellationToken,
-    task: Option<tokio::task::JoinHandle<Result<(), outbox_nats::RelayError>>>,
-}
+type InProcessRelay = support::task::Running<outbox_nats::RelayError>;
 
 impl InProcessRelay {
     async fn start(config: RelayConfig, stream: &TestStream) -> Self {
         let nats = async_nats::connect(&stream.nats_url)
             .await
             .expect("connect to NATS");
-        let shutdown = CancellationToken::new();
         let relay = Relay::new(config, nats);
-        let task = tokio::spawn(relay.run(shutdown.clone()));
-        InProcessRelay {
-            shutdown,
-            task: Some(task),
-        }
-    }
-
-    async fn stop(mut self) {
-        self.shutdown.cancel();
-        if let Some(t) = self.task.take() {
-            tokio::time::timeout(Duration::from_secs(10), t)
-                .await
-                .expect("relay stops within 10 s")
-                .expect("relay task")
-                .expect("relay result");
-        }
-    }
-}
-
-impl Drop for InProcessRelay {
-    fn drop(&mut self) {
-        self.shutdown.cancel();
+        Self::spawn("relay", move |shutdown| relay.run(shutdown))
     }
 }
 
@@ -78,17 +53,6 @@ fn config(db: &TestDb, stream: &TestStream) -> RelayConfig {
         .subject_prefix(stream.prefix.clone())
         .poll_interval(Duration::from_millis(20))
         .startup_timeout(Duration::from_secs(10))
-}
-
-async fn wait_published(db: &TestDb, n: i64) {
-    wait_until(
-        Duration::from_secs(120),
-        &format!("{n} rows published"),
-        || async {
-            db.scalar("SELECT count(*) FROM outbox_audit WHERE published_at IS NOT NULL") >= n
-        },
-    )
-    .await;
 }
 
 #[tokio::test]
@@ -121,7 +85,7 @@ async fn committed_transaction_publishes_one_message_per_event_with_the_contract
     );
 
     let relay = InProcessRelay::start(config(&db, &stream), &stream).await;
-    wait_published(&db, 2).await;
+    wait_published(&db, 2, Duration::from_secs(120)).await;
     relay.stop().await;
 
     let got = stream.read_all().await;
@@ -185,7 +149,7 @@ async fn rolled_back_transaction_publishes_nothing() {
     assert_eq!(db.scalar("SELECT count(*) FROM orders"), 0);
 
     let relay = InProcessRelay::start(config(&db, &stream), &stream).await;
-    wait_published(&db, 1).await;
+    wait_published(&db, 1, Duration::from_secs(120)).await;
     relay.stop().await;
     let got = stream.read_all().await;
     assert_eq!(got.len(), 1);
@@ -307,7 +271,7 @@ async fn a_row_published_twice_is_one_message_in_the_stream() {
     })
     .expect("commit");
     let relay = InProcessRelay::start(config(&db, &stream), &stream).await;
-    wait_published(&db, 2).await;
+    wait_published(&db, 2, Duration::from_secs(120)).await;
     relay.stop().await;
     // the relay died between publish and record: the rows look unpublished again
     diesel::sql_query("DELETE FROM outbox_progress")
@@ -318,7 +282,7 @@ async fn a_row_published_twice_is_one_message_in_the_stream() {
         2
     );
     let relay = InProcessRelay::start(config(&db, &stream), &stream).await;
-    wait_published(&db, 2).await;
+    wait_published(&db, 2, Duration::from_secs(120)).await;
     relay.stop().await;
     assert_eq!(
         stream.count().await,
@@ -353,7 +317,7 @@ async fn hostile_aggregate_ids_make_valid_subjects_that_round_trip() {
     })
     .expect("commit");
     let relay = InProcessRelay::start(config(&db, &stream), &stream).await;
-    wait_published(&db, ids.len() as i64).await;
+    wait_published(&db, ids.len() as i64, Duration::from_secs(120)).await;
     relay.stop().await;
     let got = stream.read_all().await;
     assert_eq!(got.len(), ids.len());
@@ -388,7 +352,7 @@ async fn a_row_inserted_by_plain_sql_is_relayed_like_any_other() {
     .execute(&mut db.conn())
     .expect("plain insert");
     let relay = InProcessRelay::start(config(&db, &stream), &stream).await;
-    wait_published(&db, 1).await;
+    wait_published(&db, 1, Duration::from_secs(120)).await;
     relay.stop().await;
     let got = stream.read_all().await;
     assert_eq!(got.len(), 1);
@@ -543,7 +507,7 @@ async fn ten_thousand_events_from_eight_writers_arrive_complete_and_in_order_per
         w.join().expect("writer");
     }
     let total = (WRITERS * PER_WRITER) as i64;
-    wait_published(&db, total).await;
+    wait_published(&db, total, Duration::from_secs(120)).await;
     relay.stop().await;
 
     let got = stream.read_all().await;
@@ -690,7 +654,7 @@ async fn a_table_made_before_snapshot_batches_is_upgraded_and_publishes_only_its
         .await
         .expect("connect to NATS");
     let refused = Relay::new(config(&db, &stream), nats)
-        .run(CancellationToken::new())
+        .run(tokio_util::sync::CancellationToken::new())
         .await
         .expect_err("the relay refuses a table without snapshot batches");
     assert!(
@@ -709,7 +673,7 @@ async fn a_table_made_before_snapshot_batches_is_upgraded_and_publishes_only_its
         })
     })
     .expect("a row recorded after the upgrade");
-    wait_published(&db, 6).await;
+    wait_published(&db, 6, Duration::from_secs(120)).await;
     relay.stop().await;
     let got: Vec<String> = stream
         .read_all()

@@ -909,10 +909,8 @@ async fn short_window_stream(stream: &TestStream) -> Duration {
         .js()
         .await
         .create_stream(jetstream::stream::Config {
-            name: stream.name.clone(),
-            subjects: vec![format!("{}.>", stream.prefix)],
             duplicate_window: window,
-            ..Default::default()
+            ..stream.config()
         })
         .await
         .expect("a stream with a 1 s duplicate window");
@@ -1397,12 +1395,7 @@ async fn run_to_exit(cmd: &mut Command) -> (i32, String) {
         "outbox-relay",
         cmd.stdout(Stdio::null()).stderr(Stdio::piped()),
     );
-    let mut stderr = p.child.stderr.take().expect("stderr");
-    let reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stderr.read_to_string(&mut s);
-        s
-    });
+    let reader = support::read_in_background(p.child.stderr.take().expect("stderr"));
     let (code, _) = exit_of(&mut p, Duration::from_secs(15)).await;
     (code, reader.join().unwrap_or_default())
 }

@@ -19,18 +19,8 @@ fn run_to_exit(cmd: &mut Command, timeout: Duration) -> (Option<i32>, String, St
         "outbox-relay",
         cmd.stdout(Stdio::piped()).stderr(Stdio::piped()),
     );
-    let mut out = p.child.stdout.take().expect("stdout");
-    let mut err = p.child.stderr.take().expect("stderr");
-    let out = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = out.read_to_string(&mut s);
-        s
-    });
-    let err = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = err.read_to_string(&mut s);
-        s
-    });
+    let out = support::read_in_background(p.child.stdout.take().expect("stdout"));
+    let err = support::read_in_background(p.child.stderr.take().expect("stderr"));
     let code = p.wait_exit(timeout);
     p.kill();
     let elapsed = started.elapsed();
@@ -175,12 +165,7 @@ fn start_up_line(db: &TestDb, stream: &TestStream, args: &[&str]) -> (String, St
         "outbox-relay",
         cmd.stdout(Stdio::piped()).stderr(Stdio::piped()),
     );
-    let mut out = p.child.stdout.take().expect("stdout");
-    let out = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = out.read_to_string(&mut s);
-        s
-    });
+    let out = support::read_in_background(p.child.stdout.take().expect("stdout"));
     let mut stderr = std::io::BufReader::new(p.child.stderr.take().expect("stderr"));
     let mut logs = String::new();
     let started = loop {

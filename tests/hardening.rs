@@ -15,7 +15,10 @@ use diesel::prelude::*;
 use outbox_diesel::OutboxExt;
 use support::events::{Changed, changed};
 use support::servers::NatsServer;
-use support::{Proc, Relay, TestDb, TestStream, free_port, http_get, relay_command, wait_until};
+use support::{
+    Proc, Relay, TestDb, TestStream, free_port, http_get, relay_command, relay_with_metrics,
+    wait_published, wait_until,
+};
 
 /// Inserts `n` rows of `n` distinct aggregates with plain SQL, in one statement.
 fn insert_rows(db: &TestDb, n: i64) {
@@ -114,12 +117,7 @@ async fn a_relay_that_acks_nothing_while_rows_wait_is_not_ready() {
     let nats = NatsServer::start();
     let db = TestDb::new();
     let stream = TestStream::on(&nats.url());
-    let addr = format!("127.0.0.1:{}", free_port());
-    let relay = Relay::start(relay_command(
-        &db,
-        &stream,
-        &["--metrics-addr", &addr, "--stall-after", "2s"],
-    ));
+    let (relay, addr) = relay_with_metrics(&db, &stream, &["--stall-after", "2s"]);
     let t = Duration::from_secs(30);
     insert_rows(&db, 10);
     drained(&db, &relay, t).await;
@@ -162,35 +160,21 @@ async fn a_full_discard_new_stream_parks_nothing_and_flows_when_its_limit_is_rai
     let stream = TestStream::new();
     let js = stream.js().await;
     let mut config = Config {
-        name: stream.name.clone(),
-        subjects: vec![format!("{}.>", stream.prefix)],
         max_messages: 10,
         discard: DiscardPolicy::New,
-        ..Default::default()
+        ..stream.config()
     };
     js.create_stream(config.clone())
         .await
         .expect("create the stream");
     // 30 rows over 3 aggregates: 10 fit, 20 wait
-    diesel::sql_query(
+    db.execute(
         "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
          SELECT gen_random_uuid(), 'order', 'o-' || (i % 3), 'order.placed', jsonb_build_object('n', i) \
          FROM generate_series(1, 30) AS i",
-    )
-    .execute(&mut db.conn())
-    .expect("insert rows");
-    let addr = format!("127.0.0.1:{}", free_port());
-    let relay = Relay::start(relay_command(
-        &db,
-        &stream,
-        &[
-            "--metrics-addr",
-            &addr,
-            "--max-attempts",
-            "2",
-            "--no-cleanup",
-        ],
-    ));
+        "insert rows",
+    );
+    let (relay, addr) = relay_with_metrics(&db, &stream, &["--max-attempts", "2", "--no-cleanup"]);
     let t = Duration::from_secs(30);
     wait_until(t, "10 messages in the stream", || async {
         stream.count().await == 10
@@ -317,17 +301,6 @@ fn owners_per_pid(db: &TestDb) -> HashMap<i32, usize> {
     per_pid
 }
 
-async fn wait_published(db: &TestDb, n: i64) {
-    wait_until(
-        Duration::from_secs(30),
-        &format!("{n} rows published"),
-        || async {
-            db.scalar("SELECT count(*) FROM outbox_audit WHERE published_at IS NOT NULL") >= n
-        },
-    )
-    .await;
-}
-
 // 2. Relays running as different roles, with only the README's GRANTs: each sees the other in
 // `pg_locks` (another role's `pg_stat_activity.backend_start` is NULL to it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -369,7 +342,7 @@ async fn relays_running_as_different_roles_share_the_partitions() {
         "each relay runs as its own role"
     );
     record(&mut db.conn(), 200, 40);
-    wait_published(&db, 200).await;
+    wait_published(&db, 200, Duration::from_secs(30)).await;
     assert_eq!(stream.count().await, 200);
 }
 
@@ -409,7 +382,7 @@ async fn two_relays_share_the_largest_partition_count() {
         "a membership key names another table"
     );
     record(&mut db.conn(), 300, 300);
-    wait_published(&db, 300).await;
+    wait_published(&db, 300, Duration::from_secs(30)).await;
 }
 
 #[test]
@@ -655,7 +628,7 @@ async fn unordered_claim_survives_acks_slower_than_the_lease() {
         ),
     );
     record(&mut db.conn(), 1, 1);
-    wait_published(&db, 1).await;
+    wait_published(&db, 1, Duration::from_secs(30)).await;
     let before = relay_sessions(&db);
     assert_eq!(before.len(), 1, "{before:?}");
 
@@ -673,7 +646,7 @@ async fn unordered_claim_survives_acks_slower_than_the_lease() {
     tokio::time::sleep(Duration::from_millis(4500)).await;
     nats.proc.signal("CONT");
 
-    wait_published(&db, 21).await;
+    wait_published(&db, 21, Duration::from_secs(30)).await;
     assert_eq!(
         relay_sessions(&db),
         before,
@@ -744,13 +717,12 @@ async fn a_subject_past_the_documented_bound_is_refused_at_record_time_and_one_a
 async fn a_row_whose_subject_is_too_long_is_parked_not_retried_forever() {
     let db = TestDb::new();
     let stream = TestStream::new();
-    diesel::sql_query(
+    db.execute(
         "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES \
          (gen_random_uuid(), 'order', repeat('é', 1500), 'order.placed', '{\"n\": 1}'), \
          (gen_random_uuid(), 'order', 'short', 'order.placed', '{\"n\": 2}')",
-    )
-    .execute(&mut db.conn())
-    .expect("insert rows");
+        "insert rows",
+    );
     let relay = Relay::start(relay_command(&db, &stream, &["--no-cleanup"]));
     let t = Duration::from_secs(30);
     let start = std::time::Instant::now();
@@ -866,10 +838,7 @@ fn buffers(plan: &[String]) -> u64 {
 
 /// The relay's poll of the whole table (`--partitions 1`), executed in a relay's session.
 async fn analyzed_poll(db: &TestDb) -> Vec<String> {
-    let mut conn = db.async_conn().await;
-    outbox_diesel::relay::prepare_session(&mut conn)
-        .await
-        .expect("prepare the session");
+    let mut conn = db.relay_session().await;
     outbox_diesel::relay::explain_poll_analyze(
         &mut conn,
         &outbox_diesel::OutboxTable::DEFAULT,
@@ -898,20 +867,17 @@ async fn a_poll_costs_the_same_whatever_number_of_rows_wait_behind_a_parked_one(
     };
     // the hot aggregate's first row was rejected for good and parked
     insert("'hot'", 1);
-    diesel::sql_query(
+    db.execute(
         "UPDATE outbox SET parked_at = now(), attempts = 5, last_error = 'rejected' \
          WHERE aggregate_id = 'hot'",
-    )
-    .execute(&mut db.conn())
-    .expect("park");
+        "park",
+    );
     insert("'hot'", 20_000);
     insert("'o-' || i", 200);
-    diesel::sql_query("VACUUM ANALYZE outbox")
-        .execute(&mut db.conn())
-        .expect("vacuum");
+    db.execute("VACUUM ANALYZE outbox", "vacuum");
 
     let relay = Proc::spawn("relay", &mut relay_command(&db, &stream, &[]));
-    wait_published(&db, 200).await;
+    wait_published(&db, 200, Duration::from_secs(30)).await;
     // the relay meets each held-back row once, and sets it aside
     wait_until(
         Duration::from_secs(30),
@@ -923,9 +889,7 @@ async fn a_poll_costs_the_same_whatever_number_of_rows_wait_behind_a_parked_one(
     .await;
     drop(relay);
     // as autovacuum does after 1,000 dead index entries (the table's threshold)
-    diesel::sql_query("VACUUM outbox")
-        .execute(&mut db.conn())
-        .expect("vacuum");
+    db.execute("VACUUM outbox", "vacuum");
     let plan = analyzed_poll(&db).await;
     let text = plan.join("\n");
     assert!(
@@ -941,12 +905,11 @@ async fn a_poll_costs_the_same_whatever_number_of_rows_wait_behind_a_parked_one(
     assert_eq!(stream.count().await, 200);
 
     // the same poll over the same table without held-back rows: the same cost
-    diesel::sql_query("DELETE FROM outbox WHERE aggregate_id = 'hot'")
-        .execute(&mut db.conn())
-        .expect("delete the hot aggregate");
-    diesel::sql_query("VACUUM outbox")
-        .execute(&mut db.conn())
-        .expect("vacuum");
+    db.execute(
+        "DELETE FROM outbox WHERE aggregate_id = 'hot'",
+        "delete the hot aggregate",
+    );
+    db.execute("VACUUM outbox", "vacuum");
     let empty = buffers(&analyzed_poll(&db).await);
     println!("poll buffers: {held} with 20,000 rows held back, {empty} with none");
     assert!(
@@ -962,13 +925,14 @@ async fn retry_releases_the_rows_held_back_behind_a_parked_one_in_order() {
     let db = TestDb::new();
     let stream = TestStream::new();
     record(&mut db.conn(), 1, 1);
-    diesel::sql_query("UPDATE outbox SET parked_at = now(), attempts = 5, last_error = 'rejected'")
-        .execute(&mut db.conn())
-        .expect("park");
+    db.execute(
+        "UPDATE outbox SET parked_at = now(), attempts = 5, last_error = 'rejected'",
+        "park",
+    );
     let parked_seq = db.scalar("SELECT min(seq) FROM outbox");
     record(&mut db.conn(), 30, 3); // acct-0 (behind the parked row), acct-1, acct-2
     let relay = Proc::spawn("relay", &mut relay_command(&db, &stream, &[]));
-    wait_published(&db, 20).await;
+    wait_published(&db, 20, Duration::from_secs(30)).await;
     wait_until(
         Duration::from_secs(20),
         "acct-0's rows held back",
@@ -991,7 +955,7 @@ async fn retry_releases_the_rows_held_back_behind_a_parked_one_in_order() {
         db.scalar("SELECT count(*) FROM outbox WHERE parked_at IS NOT NULL"),
         0
     );
-    wait_published(&db, 31).await;
+    wait_published(&db, 31, Duration::from_secs(30)).await;
     drop(relay);
     let msgs = stream.read_all().await;
     let acct0: Vec<i64> = msgs

@@ -13,7 +13,7 @@ use diesel::prelude::*;
 use outbox_diesel::{Outbox, OutboxExt};
 use support::events::{Changed, changed};
 use support::slot::Slot;
-use support::{Proc, TestDb, TestStream, relay_bin, relay_command, wait_until};
+use support::{Proc, TestDb, TestStream, by_aggregate, relay_bin, relay_command, wait_until};
 
 fn relay(name: &str, db: &TestDb, stream: &TestStream, slot: &Slot, args: &[&str]) -> Proc {
     let mut all = vec!["--mode", "log-tailing", "--slot", &slot.name];
@@ -38,17 +38,6 @@ async fn wait_count(stream: &TestStream, n: u64, timeout: Duration) {
         stream.count().await >= n
     })
     .await;
-}
-
-/// Message ids per aggregate, in stream order.
-fn by_aggregate(msgs: &[support::Received]) -> HashMap<String, Vec<String>> {
-    let mut out: HashMap<String, Vec<String>> = HashMap::new();
-    for m in msgs {
-        out.entry(m.aggregate_id.clone())
-            .or_default()
-            .push(m.msg_id.clone());
-    }
-    out
 }
 
 /// Every message once, and per aggregate in `expected` order.
@@ -785,10 +774,8 @@ async fn a_poison_event_is_parked_passed_over_and_published_again_on_retry() {
     let slot = Slot::new(&db);
     // a stream that refuses messages over 1,000 bytes, as a server's limits can
     let config = |max_message_size| Config {
-        name: stream.name.clone(),
-        subjects: vec![format!("{}.>", stream.prefix)],
         max_message_size,
-        ..Default::default()
+        ..stream.config()
     };
     let js = stream.js().await;
     js.create_stream(config(1000)).await.expect("stream");
@@ -1076,10 +1063,8 @@ async fn a_retried_row_is_published_once_when_cleanup_runs_before_the_reader_see
     let (db, stream) = (TestDb::new(), TestStream::new());
     let slot = Slot::new(&db);
     let config = |max_message_size| Config {
-        name: stream.name.clone(),
-        subjects: vec![format!("{}.>", stream.prefix)],
         max_message_size,
-        ..Default::default()
+        ..stream.config()
     };
     let js = stream.js().await;
     js.create_stream(config(1000)).await.expect("stream");

@@ -20,7 +20,8 @@ use outbox_diesel::{AsyncOutboxExt, EventHeaders, Outbox, OutboxEvent, OutboxExt
 use serde::Serialize;
 use support::servers::{NatsServer, nats_server_bin};
 use support::{
-    Proc, Relay, TestDb, TestStream, free_port, http_get, relay_bin, relay_command, wait_until,
+    Proc, Relay, TestDb, TestStream, free_port, http_get, relay_bin, relay_command,
+    relay_with_metrics, wait_until,
 };
 
 #[derive(Debug, Clone, Serialize, OutboxEvent)]
@@ -136,13 +137,10 @@ async fn metrics_show_the_backlog_rising_while_nats_is_down_and_falling_to_zero_
     let mut nats = NatsServer::start();
     let stream = TestStream::on(&nats.url());
     let db = TestDb::new();
-    let addr = format!("127.0.0.1:{}", free_port());
-    let relay = Relay::start(relay_command(
+    let (relay, addr) = relay_with_metrics(
         &db,
         &stream,
         &[
-            "--metrics-addr",
-            &addr,
             "--partitions",
             "2",
             "--stall-after",
@@ -150,7 +148,7 @@ async fn metrics_show_the_backlog_rising_while_nats_is_down_and_falling_to_zero_
             "--stats-interval",
             "200ms",
         ],
-    ));
+    );
     let t = Duration::from_secs(30);
     wait_until(t, "/readyz to answer 200", || async {
         matches!(http_get(&addr, "/readyz").await, Some((200, _)))
@@ -276,26 +274,17 @@ async fn dedup_window_guard_covers_in_doubt_rows() {
     let stream = TestStream::new();
     let db = TestDb::new();
     // parked after 2 failed attempts, recorded a minute ago
-    diesel::sql_query(
+    db.execute(
         "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, created_at, \
          attempts, last_error, parked_at) VALUES (gen_random_uuid(), 'order', 'doubt', \
          'order.placed', '{}', now() - interval '1 minute', 2, 'timed out', now())",
-    )
-    .execute(&mut db.conn())
-    .expect("insert an in-doubt row");
-    let addr = format!("127.0.0.1:{}", free_port());
-    let relay = Relay::start(relay_command(
+        "insert an in-doubt row",
+    );
+    let (relay, addr) = relay_with_metrics(
         &db,
         &stream,
-        &[
-            "--metrics-addr",
-            &addr,
-            "--duplicate-window",
-            "5s",
-            "--stats-interval",
-            "200ms",
-        ],
-    ));
+        &["--duplicate-window", "5s", "--stats-interval", "200ms"],
+    );
     let t = Duration::from_secs(30);
     let body = wait_metric(
         &addr,
@@ -367,10 +356,7 @@ fn insert_published(db: &TestDb, n: i64) {
 
 /// The relay's poll plan, planned as the relay's session plans it.
 async fn poll_plan(db: &TestDb, partitions: &[i32], count: u32) -> Vec<String> {
-    let mut conn = db.async_conn().await;
-    outbox_diesel::relay::prepare_session(&mut conn)
-        .await
-        .expect("prepare the session");
+    let mut conn = db.relay_session().await;
     outbox_diesel::relay::explain_poll(
         &mut conn,
         &outbox_diesel::OutboxTable::DEFAULT,
@@ -431,13 +417,10 @@ async fn cleanup_keeps_the_table_bounded(rows: i64) {
         })
     };
 
-    let addr = format!("127.0.0.1:{}", free_port());
-    let _relay = Relay::start(relay_command(
+    let (_relay, addr) = relay_with_metrics(
         &db,
         &stream,
         &[
-            "--metrics-addr",
-            &addr,
             "--retention",
             "2s",
             "--cleanup-interval",
@@ -447,7 +430,7 @@ async fn cleanup_keeps_the_table_bounded(rows: i64) {
             "--stats-interval",
             "250ms",
         ],
-    ));
+    );
     let swept = Instant::now();
     let timeout = Duration::from_secs(30 + (rows / 10_000) as u64);
     wait_until(timeout, "the old published rows to be deleted", || async {
@@ -543,13 +526,12 @@ async fn cleanup_keeps_a_table_of_1m_published_rows_bounded_while_events_flow() 
 async fn cleanup_command_deletes_only_rows_older_than_the_retention_and_cleaners_share_the_work() {
     let db = TestDb::new();
     insert_published(&db, 1000);
-    diesel::sql_query(
+    db.execute(
         "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, published_at) \
          SELECT gen_random_uuid(), 'order', 'recent', 'order.placed', '{}', now() \
          FROM generate_series(1, 10)",
-    )
-    .execute(&mut db.conn())
-    .expect("recent rows");
+        "recent rows",
+    );
     record(&db, 5, 1, "pending");
     let cleanup = |args: &[&str]| {
         Command::new(relay_bin())
@@ -573,9 +555,7 @@ async fn cleanup_command_deletes_only_rows_older_than_the_retention_and_cleaners
     assert_eq!(db.scalar("SELECT count(*) FROM outbox"), 15);
 
     // archive instead of deleting
-    diesel::sql_query("CREATE TABLE outbox_archive (LIKE outbox)")
-        .execute(&mut db.conn())
-        .expect("archive table");
+    db.execute("CREATE TABLE outbox_archive (LIKE outbox)", "archive table");
     let out = cleanup(&["--retention", "0", "--archive-table", "outbox_archive"]);
     assert!(
         out.status.success(),
@@ -674,13 +654,12 @@ async fn status_json_matches_the_database_and_its_exit_code_flips_when_the_relay
     // the relay stalls: NATS is gone, rows wait, one is parked, a transaction stays open
     nats.stop();
     record(&db, 30, 11, "b");
-    diesel::sql_query(
+    db.execute(
         "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, attempts, \
          last_error, parked_at) VALUES (gen_random_uuid(), 'order', 'poison', 'order.placed', \
          '{}', 5, 'rejected', now())",
-    )
-    .execute(&mut db.conn())
-    .expect("a parked row");
+        "a parked row",
+    );
     let mut idle = db.conn();
     diesel::sql_query("BEGIN")
         .execute(&mut idle)
@@ -1167,15 +1146,12 @@ async fn the_dashboard_and_the_alerts_query_only_metrics_the_relay_exports() {
 
     // ordered, two partitions, cleanup, and a row over NATS's max payload (parked at once)
     let (db, stream) = (TestDb::new(), TestStream::new());
-    let addr = format!("127.0.0.1:{}", free_port());
-    let ordered = Relay::start(relay_command(
+    let (ordered, addr) = relay_with_metrics(
         &db,
         &stream,
         &[
             "--partitions",
             "2",
-            "--metrics-addr",
-            &addr,
             "--stats-interval",
             "200ms",
             "--retention",
@@ -1183,15 +1159,14 @@ async fn the_dashboard_and_the_alerts_query_only_metrics_the_relay_exports() {
             "--cleanup-interval",
             "200ms",
         ],
-    ));
+    );
     record(&db, 20, 4, "dash");
-    diesel::sql_query(
+    db.execute(
         "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
          VALUES (gen_random_uuid(), 'order', 'too-big', 'order.placed', \
          to_jsonb(repeat('x', 2 * 1024 * 1024)))",
-    )
-    .execute(&mut db.conn())
-    .expect("an oversized row");
+        "an oversized row",
+    );
     wait_metric(
         &addr,
         "outbox_cleanup_rows_deleted_total",
@@ -1212,8 +1187,7 @@ async fn the_dashboard_and_the_alerts_query_only_metrics_the_relay_exports() {
     // log tailing, deleting what it captured
     let (db, stream) = (TestDb::new(), TestStream::new());
     let slot = support::slot::Slot::new(&db);
-    let addr = format!("127.0.0.1:{}", free_port());
-    let tailing = Relay::start(relay_command(
+    let (tailing, addr) = relay_with_metrics(
         &db,
         &stream,
         &[
@@ -1221,8 +1195,6 @@ async fn the_dashboard_and_the_alerts_query_only_metrics_the_relay_exports() {
             "log-tailing",
             "--slot",
             &slot.name,
-            "--metrics-addr",
-            &addr,
             "--stats-interval",
             "200ms",
             "--captured-retention",
@@ -1230,7 +1202,7 @@ async fn the_dashboard_and_the_alerts_query_only_metrics_the_relay_exports() {
             "--captured-cleanup-interval",
             "200ms",
         ],
-    ));
+    );
     wait_metric(
         &addr,
         "outbox_slot_reader",

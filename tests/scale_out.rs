@@ -10,28 +10,12 @@ use std::time::Duration;
 use diesel::prelude::*;
 use outbox_diesel::OutboxExt;
 use support::events::{Changed, changed};
-use support::{Proc, TestDb, TestStream, relay_bin, relay_command, wait_until};
+use support::{
+    Proc, TestDb, TestStream, by_aggregate, relay_bin, relay_command, wait_published, wait_until,
+};
 
 fn relay(name: &str, db: &TestDb, stream: &TestStream, args: &[&str]) -> Proc {
     Proc::spawn(name, &mut relay_command(db, stream, args))
-}
-
-async fn wait_published(db: &TestDb, n: i64, timeout: Duration) {
-    wait_until(timeout, &format!("{n} rows published"), || async {
-        db.scalar("SELECT count(*) FROM outbox_audit WHERE published_at IS NOT NULL") >= n
-    })
-    .await;
-}
-
-/// Message ids per aggregate, in stream order.
-fn by_aggregate(msgs: &[support::Received]) -> HashMap<String, Vec<String>> {
-    let mut out: HashMap<String, Vec<String>> = HashMap::new();
-    for m in msgs {
-        out.entry(m.aggregate_id.clone())
-            .or_default()
-            .push(m.msg_id.clone());
-    }
-    out
 }
 
 /// Message ids per aggregate in `seq` order: commit order when each aggregate's writers are
@@ -183,12 +167,11 @@ async fn unordered_workers_deliver_every_event_exactly_once() {
 /// and within one aggregate the stream keeps commit order.
 async fn held_open_transactions(mode_args: &[&str]) {
     let (db, stream) = (TestDb::new(), TestStream::new());
-    diesel::sql_query("CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL)")
-        .execute(&mut db.conn())
-        .expect("accounts");
-    diesel::sql_query("INSERT INTO accounts VALUES ('A', 0), ('B', 0)")
-        .execute(&mut db.conn())
-        .expect("seed");
+    db.execute(
+        "CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL)",
+        "accounts",
+    );
+    db.execute("INSERT INTO accounts VALUES ('A', 0), ('B', 0)", "seed");
     let _relay = relay("relay", &db, &stream, mode_args);
 
     // T1 locks A, records a1 (the lower seq) and stays open
@@ -281,10 +264,8 @@ async fn a_late_commit_older_than_the_duplicate_window_is_published_not_reconcil
         .js()
         .await
         .create_stream(Config {
-            name: stream.name.clone(),
-            subjects: vec![format!("{}.>", stream.prefix)],
             duplicate_window: window,
-            ..Default::default()
+            ..stream.config()
         })
         .await
         .expect("a stream with a 1 s duplicate window");
@@ -346,10 +327,8 @@ async fn small_stream(stream: &TestStream) {
         .js()
         .await
         .create_stream(Config {
-            name: stream.name.clone(),
-            subjects: vec![format!("{}.>", stream.prefix)],
             max_message_size: 1000,
-            ..Default::default()
+            ..stream.config()
         })
         .await
         .expect("create stream");
@@ -361,19 +340,17 @@ async fn allow_big_messages(stream: &TestStream) {
         .js()
         .await
         .update_stream(Config {
-            name: stream.name.clone(),
-            subjects: vec![format!("{}.>", stream.prefix)],
             max_message_size: -1,
-            ..Default::default()
+            ..stream.config()
         })
         .await
         .expect("update stream");
 }
 
-#[tokio::test]
-async fn a_poison_row_parks_without_stopping_other_aggregates_and_is_retried_from_the_cli() {
-    let (db, stream) = (TestDb::new(), TestStream::new());
-    small_stream(&stream).await;
+/// A stream that refuses messages over 1,000 bytes, and aggregate P's two events: the first
+/// too large for it (the poison row), the second behind it. The connection that recorded them.
+async fn poison_row(db: &TestDb, stream: &TestStream) -> PgConnection {
+    small_stream(stream).await;
     let mut conn = db.conn();
     let big = Changed {
         account: "P".into(),
@@ -383,6 +360,13 @@ async fn a_poison_row_parks_without_stopping_other_aggregates_and_is_retried_fro
     conn.transaction(|c| c.record_event(&big)).expect("p1");
     conn.transaction(|c| c.record_event(&changed("P", 2)))
         .expect("p2");
+    conn
+}
+
+#[tokio::test]
+async fn a_poison_row_parks_without_stopping_other_aggregates_and_is_retried_from_the_cli() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let mut conn = poison_row(&db, &stream).await;
     for n in 0..5 {
         conn.transaction(|c| c.record_event(&changed("Q", n)))
             .expect("q");
@@ -444,16 +428,7 @@ async fn a_poison_row_parks_without_stopping_other_aggregates_and_is_retried_fro
 #[tokio::test]
 async fn a_poison_row_is_skipped_in_unordered_mode() {
     let (db, stream) = (TestDb::new(), TestStream::new());
-    small_stream(&stream).await;
-    let mut conn = db.conn();
-    let big = Changed {
-        account: "P".into(),
-        n: 1,
-        blob: Some("x".repeat(2000)),
-    };
-    conn.transaction(|c| c.record_event(&big)).expect("p1");
-    conn.transaction(|c| c.record_event(&changed("P", 2)))
-        .expect("p2");
+    let mut conn = poison_row(&db, &stream).await;
     conn.transaction(|c| c.record_event(&changed("Q", 1)))
         .expect("q");
     let _relay = relay(

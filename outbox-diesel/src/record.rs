@@ -1,5 +1,12 @@
-//! Recording events inside the caller's transaction: [`Outbox`], [`OutboxExt`] and, with the
-//! `async` feature, [`AsyncOutboxExt`](crate::AsyncOutboxExt).
+//! Recording events inside the caller's transaction: the [`Outbox`] (table, payload limit,
+//! wake-up policy) and its recording on a synchronous connection. Beside it: checking events
+//! into rows (`prepare.rs`, with [`InvalidEvent`]), the statements written (`sql.rs`), and
+//! [`OutboxExt`] (`ext.rs`); with the `async` feature,
+//! [`AsyncOutboxExt`](crate::AsyncOutboxExt) in `record_async.rs`.
+
+mod ext;
+mod prepare;
+mod sql;
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -7,16 +14,17 @@ use std::time::{Duration, Instant};
 
 use diesel::connection::TransactionManager;
 use diesel::pg::Pg;
-use diesel::query_builder::{AstPass, QueryFragment, QueryId};
 use diesel::result::Error as DieselError;
-use diesel::sql_types::{Array, Text, Uuid as SqlUuid};
 use diesel::{Connection, QueryResult, RunQueryDsl};
 use uuid::Uuid;
 
-use crate::event::{MAX_SUBJECT_NAMES_LEN, subject_names_len};
 use crate::headers::HeadersHook;
-use crate::wire::{jsonb_text, message_size};
-use crate::{EventHeaders, OutboxEvent, OutboxTable, check_event_type, check_subject_token};
+use crate::{EventHeaders, OutboxEvent, OutboxTable};
+
+pub use ext::OutboxExt;
+pub use prepare::InvalidEvent;
+pub(crate) use sql::InsertEvents;
+use sql::{DeleteEvents, NotifyQuery, Statement};
 
 /// NATS's default `max_payload`: the default limit on a recorded payload.
 pub const DEFAULT_MAX_PAYLOAD: usize = 1024 * 1024;
@@ -331,84 +339,6 @@ impl Outbox {
         statements
     }
 
-    /// Turns events into the rows to insert, checking each one; every row gets the hook's
-    /// headers with `extra` over them.
-    pub(crate) fn prepare<'e, E, I>(
-        &self,
-        events: I,
-        extra: &EventHeaders,
-    ) -> QueryResult<InsertEvents>
-    where
-        E: OutboxEvent + ?Sized + 'e,
-        I: Iterator<Item = &'e E>,
-    {
-        let headers = match &self.headers_hook {
-            Some(hook) => {
-                let mut h = (hook.0)();
-                h.merge(extra);
-                std::borrow::Cow::Owned(h)
-            }
-            None => std::borrow::Cow::Borrowed(extra),
-        };
-        let headers_checked = headers.check();
-        let headers_json = headers.to_json();
-        let (lower, _) = events.size_hint();
-        let mut batch = InsertEvents::with_capacity(self.table.clone(), lower);
-        for event in events {
-            let invalid = |reason| {
-                DieselError::SerializationError(Box::new(InvalidEvent {
-                    event_type: event.event_type().to_owned(),
-                    reason,
-                }))
-            };
-            if let Err((name, why)) = &headers_checked {
-                return Err(invalid(Reason::Header(name.clone(), why)));
-            }
-            let aggregate_type = event.aggregate_type();
-            if let Err(e) = check_subject_token(aggregate_type) {
-                return Err(invalid(Reason::AggregateType(aggregate_type.to_owned(), e)));
-            }
-            if let Err(e) = check_event_type(event.event_type()) {
-                return Err(invalid(Reason::EventType(e)));
-            }
-            let aggregate_id = event.aggregate_id();
-            if aggregate_id.is_empty() {
-                return Err(invalid(Reason::EmptyAggregateId));
-            }
-            if aggregate_id.contains(['\r', '\n']) {
-                return Err(invalid(Reason::LineBreakInAggregateId));
-            }
-            let names = subject_names_len(aggregate_type, &aggregate_id, event.event_type());
-            if names > MAX_SUBJECT_NAMES_LEN {
-                return Err(invalid(Reason::SubjectTooLong {
-                    size: names,
-                    limit: MAX_SUBJECT_NAMES_LEN,
-                }));
-            }
-            let payload = jsonb_text(event).map_err(|e| invalid(Reason::Json(e)))?;
-            let size = message_size(
-                payload.len(),
-                aggregate_type,
-                &aggregate_id,
-                event.event_type(),
-                headers.as_ref(),
-            );
-            if size > self.max_payload {
-                return Err(invalid(Reason::TooLarge {
-                    size,
-                    limit: self.max_payload,
-                }));
-            }
-            batch.ids.push(Uuid::now_v7());
-            batch.aggregate_types.push(aggregate_type.to_owned());
-            batch.aggregate_ids.push(aggregate_id);
-            batch.event_types.push(event.event_type().to_owned());
-            batch.payloads.push(payload);
-            batch.headers.push(headers_json.clone());
-        }
-        Ok(batch)
-    }
-
     /// Whether this recording should send a `NOTIFY`; claims the slot when it should.
     pub(crate) fn notify_due(&self) -> bool {
         match self.notify {
@@ -434,313 +364,5 @@ pub(crate) fn ensure_in_transaction(
     match status.transaction_depth()? {
         Some(_) => Ok(()),
         None => Err(DieselError::NotInTransaction),
-    }
-}
-
-/// Why an event was refused at record time. Found inside
-/// [`diesel::result::Error::SerializationError`]; downcast to read it.
-///
-/// ```
-/// # use outbox_diesel::InvalidEvent;
-/// fn explain(e: &diesel::result::Error) -> Option<&InvalidEvent> {
-///     match e {
-///         diesel::result::Error::SerializationError(inner) => inner.downcast_ref(),
-///         _ => None,
-///     }
-/// }
-/// ```
-#[derive(Debug, thiserror::Error)]
-#[error("outbox event `{event_type}` refused: {reason}")]
-pub struct InvalidEvent {
-    event_type: String,
-    #[source]
-    reason: Reason,
-}
-
-impl InvalidEvent {
-    /// The event type of the refused event.
-    pub fn event_type(&self) -> &str {
-        &self.event_type
-    }
-
-    /// Whether it was refused for its size.
-    pub fn is_too_large(&self) -> bool {
-        matches!(self.reason, Reason::TooLarge { .. })
-    }
-}
-
-#[derive(Debug, thiserror::Error)]
-enum Reason {
-    #[error(
-        "its message is {size} bytes (the JSON as PostgreSQL renders it from jsonb, plus the NATS headers the relay sends), over the outbox's limit of {limit}; store large data elsewhere and record a reference, or raise `Outbox::max_payload` (and the NATS server's max_payload)"
-    )]
-    TooLarge { size: usize, limit: usize },
-    #[error(
-        "its aggregate type, aggregate id and event type take {size} bytes in the subject once percent-encoded (every byte other than an ASCII letter, digit, `-`, `_` or `~` takes three), over the limit of {limit} (outbox_diesel::MAX_SUBJECT_NAMES_LEN), past which a subject can exceed the NATS server's control-line limit; use a shorter aggregate id, such as a surrogate key or a hash of the natural one"
-    )]
-    SubjectTooLong { size: usize, limit: usize },
-    #[error("its aggregate id is empty; every event needs the id of the aggregate it belongs to")]
-    EmptyAggregateId,
-    #[error(
-        "its aggregate id contains a line break, which cannot travel in the `Outbox-Aggregate-Id` header"
-    )]
-    LineBreakInAggregateId,
-    #[error("its aggregate type {0:?} cannot be a NATS subject token: it {1}")]
-    AggregateType(String, crate::TokenError),
-    #[error("its event type must be `.`-separated NATS subject tokens, but a part {0}")]
-    EventType(crate::TokenError),
-    #[error("its payload could not be serialised to JSON")]
-    Json(#[source] serde_json::Error),
-    #[error("its header {0:?} cannot be recorded: {1}")]
-    Header(String, &'static str),
-}
-
-/// The multi-row insert: one statement with six array parameters, whatever the row count, so
-/// that its prepared statement is cached.
-#[derive(Debug)]
-pub(crate) struct InsertEvents {
-    table: OutboxTable,
-    pub(crate) ids: Vec<Uuid>,
-    aggregate_types: Vec<String>,
-    aggregate_ids: Vec<String>,
-    event_types: Vec<String>,
-    payloads: Vec<String>,
-    headers: Vec<String>,
-}
-
-impl InsertEvents {
-    fn with_capacity(table: OutboxTable, n: usize) -> Self {
-        InsertEvents {
-            table,
-            ids: Vec::with_capacity(n),
-            aggregate_types: Vec::with_capacity(n),
-            aggregate_ids: Vec::with_capacity(n),
-            event_types: Vec::with_capacity(n),
-            payloads: Vec::with_capacity(n),
-            headers: Vec::with_capacity(n),
-        }
-    }
-}
-
-impl QueryId for InsertEvents {
-    type QueryId = ();
-    const HAS_STATIC_QUERY_ID: bool = false;
-}
-
-impl QueryFragment<Pg> for InsertEvents {
-    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        out.push_sql("INSERT INTO ");
-        self.table.walk_ast(&mut out)?;
-        out.push_sql(
-            " (id, aggregate_type, aggregate_id, event_type, payload, headers) \
-             SELECT i, t, a, e, p::jsonb, h::jsonb FROM unnest(",
-        );
-        out.push_bind_param::<Array<SqlUuid>, _>(&self.ids)?;
-        out.push_sql("::uuid[], ");
-        out.push_bind_param::<Array<Text>, _>(&self.aggregate_types)?;
-        out.push_sql("::text[], ");
-        out.push_bind_param::<Array<Text>, _>(&self.aggregate_ids)?;
-        out.push_sql("::text[], ");
-        out.push_bind_param::<Array<Text>, _>(&self.event_types)?;
-        out.push_sql("::text[], ");
-        out.push_bind_param::<Array<Text>, _>(&self.payloads)?;
-        out.push_sql("::text[], ");
-        out.push_bind_param::<Array<Text>, _>(&self.headers)?;
-        out.push_sql("::text[]) AS u(i, t, a, e, p, h)");
-        Ok(())
-    }
-}
-
-/// `DELETE FROM table WHERE id = ANY($1)`: the second half of
-/// [`Outbox::delete_after_insert`].
-#[derive(Debug)]
-pub(crate) struct DeleteEvents<'a> {
-    table: &'a OutboxTable,
-    ids: Vec<Uuid>,
-}
-
-impl QueryId for DeleteEvents<'_> {
-    type QueryId = ();
-    const HAS_STATIC_QUERY_ID: bool = false;
-}
-
-impl QueryFragment<Pg> for DeleteEvents<'_> {
-    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        out.push_sql("DELETE FROM ");
-        self.table.walk_ast(&mut out)?;
-        out.push_sql(" WHERE id = ANY(");
-        out.push_bind_param::<Array<SqlUuid>, _>(&self.ids)?;
-        out.push_sql(")");
-        Ok(())
-    }
-}
-
-/// `SELECT pg_notify($1, '')`.
-#[derive(Debug)]
-pub(crate) struct NotifyQuery<'a> {
-    channel: &'a str,
-}
-
-impl QueryId for NotifyQuery<'_> {
-    type QueryId = ();
-    const HAS_STATIC_QUERY_ID: bool = false;
-}
-
-impl QueryFragment<Pg> for NotifyQuery<'_> {
-    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        out.push_sql("SELECT pg_notify(");
-        out.push_bind_param::<Text, _>(self.channel)?;
-        out.push_sql(", '')");
-        Ok(())
-    }
-}
-
-/// One statement of a recording (see [`Outbox::statements`]).
-#[derive(Debug)]
-pub(crate) enum Statement<'a> {
-    Insert(InsertEvents),
-    Delete(DeleteEvents<'a>),
-    Notify(NotifyQuery<'a>),
-}
-
-impl QueryId for Statement<'_> {
-    type QueryId = ();
-    const HAS_STATIC_QUERY_ID: bool = false;
-}
-
-impl QueryFragment<Pg> for Statement<'_> {
-    fn walk_ast<'b>(&'b self, out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        match self {
-            Statement::Insert(q) => q.walk_ast(out),
-            Statement::Delete(q) => q.walk_ast(out),
-            Statement::Notify(q) => q.walk_ast(out),
-        }
-    }
-}
-
-impl<Conn> RunQueryDsl<Conn> for Statement<'_> {}
-
-/// Recording on a synchronous Diesel connection: `PgConnection` and pooled (`r2d2`) ones.
-///
-/// Call it inside `conn.transaction`, as the business write's last step: the event then
-/// commits or rolls back with the change it describes.
-///
-/// ```
-/// use diesel::prelude::*;
-/// use outbox_diesel::{OutboxEvent, OutboxExt};
-/// use serde::Serialize;
-///
-/// #[derive(Serialize, OutboxEvent)]
-/// #[outbox(aggregate_type = "order", event_type = "order.placed")]
-/// struct OrderPlaced {
-///     #[outbox(aggregate_id)]
-///     order_id: i64,
-///     total_cents: i64,
-/// }
-///
-/// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-/// # let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1/test".into());
-/// # let mut conn = PgConnection::establish(&url)?;
-/// # let conn = &mut conn;
-/// # conn.begin_test_transaction()?;
-/// # outbox_diesel::create_table(conn, &outbox_diesel::OutboxTable::DEFAULT)?;
-/// let id = conn.transaction(|conn| {
-///     // diesel::insert_into(orders::table).values(&order).execute(conn)?;
-///     conn.record_event(&OrderPlaced { order_id: 7, total_cents: 1250 })
-/// })?;
-/// # assert_eq!(id.get_version_num(), 7);
-/// # Ok(()) }
-/// ```
-pub trait OutboxExt {
-    /// Records `event` in the default outbox ([`Outbox::global`]); see [`Outbox::record`].
-    fn record_event<E: OutboxEvent + ?Sized>(&mut self, event: &E) -> QueryResult<Uuid>;
-
-    /// Records `events` with one multi-row `INSERT`; see [`Outbox::record_all`].
-    fn record_events<E: OutboxEvent>(&mut self, events: &[E]) -> QueryResult<Vec<Uuid>>;
-
-    /// Records `event` in the default outbox with `headers` (e.g. a `traceparent`); see
-    /// [`Outbox::record_with_headers`].
-    fn record_event_with_headers<E: OutboxEvent + ?Sized>(
-        &mut self,
-        event: &E,
-        headers: &EventHeaders,
-    ) -> QueryResult<Uuid>;
-
-    /// Records `event` in `outbox` (another table, limit or wake-up policy); see
-    /// [`Outbox::record`].
-    fn record_event_in<E: OutboxEvent + ?Sized>(
-        &mut self,
-        outbox: &Outbox,
-        event: &E,
-    ) -> QueryResult<Uuid>;
-
-    /// Records `events` in `outbox` with one multi-row `INSERT`; see [`Outbox::record_all`].
-    fn record_events_in<E: OutboxEvent>(
-        &mut self,
-        outbox: &Outbox,
-        events: &[E],
-    ) -> QueryResult<Vec<Uuid>>;
-
-    /// The former name of [`OutboxExt::record_event_in`].
-    #[deprecated(
-        since = "0.1.0",
-        note = "renamed to `record_event_in`: `_with` now always means headers"
-    )]
-    fn record_event_with<E: OutboxEvent + ?Sized>(
-        &mut self,
-        outbox: &Outbox,
-        event: &E,
-    ) -> QueryResult<Uuid> {
-        self.record_event_in(outbox, event)
-    }
-
-    /// The former name of [`OutboxExt::record_events_in`].
-    #[deprecated(
-        since = "0.1.0",
-        note = "renamed to `record_events_in`: `_with` now always means headers"
-    )]
-    fn record_events_with<E: OutboxEvent>(
-        &mut self,
-        outbox: &Outbox,
-        events: &[E],
-    ) -> QueryResult<Vec<Uuid>> {
-        self.record_events_in(outbox, events)
-    }
-}
-
-impl<C> OutboxExt for C
-where
-    C: Connection<Backend = Pg>,
-{
-    fn record_event<E: OutboxEvent + ?Sized>(&mut self, event: &E) -> QueryResult<Uuid> {
-        Outbox::global().record(self, event)
-    }
-
-    fn record_events<E: OutboxEvent>(&mut self, events: &[E]) -> QueryResult<Vec<Uuid>> {
-        Outbox::global().record_all(self, events)
-    }
-
-    fn record_event_with_headers<E: OutboxEvent + ?Sized>(
-        &mut self,
-        event: &E,
-        headers: &EventHeaders,
-    ) -> QueryResult<Uuid> {
-        Outbox::global().record_with_headers(self, event, headers)
-    }
-
-    fn record_event_in<E: OutboxEvent + ?Sized>(
-        &mut self,
-        outbox: &Outbox,
-        event: &E,
-    ) -> QueryResult<Uuid> {
-        outbox.record(self, event)
-    }
-
-    fn record_events_in<E: OutboxEvent>(
-        &mut self,
-        outbox: &Outbox,
-        events: &[E],
-    ) -> QueryResult<Vec<Uuid>> {
-        outbox.record_all(self, events)
     }
 }

@@ -63,13 +63,16 @@ mod captured;
 mod decode;
 mod error;
 pub mod pgoutput;
+mod publication;
 mod slot;
+mod status;
 mod stream;
 
 pub use captured::{delete_captured, end_snapshot, park, pending_age_seconds, snapshot_rows};
 use decode::Captured;
 pub use error::WalError;
-pub use slot::{SLOTS_TABLE, SlotLag, SlotState, slot_lag};
+pub use slot::{SLOTS_TABLE, SlotState};
+pub use status::{SlotLag, slot_lag};
 use stream::{Stream, StreamConfig};
 
 use std::collections::HashMap;

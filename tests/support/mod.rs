@@ -4,6 +4,7 @@
 //! subject prefix (deleted after), so tests run in parallel without seeing each other.
 #![allow(dead_code)]
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -17,6 +18,7 @@ pub mod events;
 pub mod proxy;
 pub mod servers;
 pub mod slot;
+pub mod task;
 
 /// The PostgreSQL server the tests use: `OUTBOX_TEST_PG` or the machine's on 127.0.0.1:5432.
 pub fn pg_base() -> String {
@@ -89,6 +91,22 @@ impl TestDb {
             .expect("connect (async)")
     }
 
+    /// Runs `sql` on a connection of its own; panics with `what` when it fails.
+    pub fn execute(&self, sql: &str, what: &str) {
+        diesel::sql_query(sql)
+            .execute(&mut self.conn())
+            .expect(what);
+    }
+
+    /// An async connection prepared as a relay's session prepares it (for its plans).
+    pub async fn relay_session(&self) -> diesel_async::AsyncPgConnection {
+        let mut conn = self.async_conn().await;
+        outbox_diesel::relay::prepare_session(&mut conn)
+            .await
+            .expect("prepare the session");
+        conn
+    }
+
     /// Runs `sql` and returns the first column of the first row as i64.
     pub fn scalar(&self, sql: &str) -> i64 {
         #[derive(QueryableByName)]
@@ -133,6 +151,15 @@ impl TestStream {
             name: format!("T_{id}"),
             prefix: format!("t{id}"),
             nats_url: url.to_owned(),
+        }
+    }
+
+    /// The stream's configuration: its name and subjects, JetStream's defaults for the rest.
+    pub fn config(&self) -> jetstream::stream::Config {
+        jetstream::stream::Config {
+            name: self.name.clone(),
+            subjects: vec![format!("{}.>", self.prefix)],
+            ..Default::default()
         }
     }
 
@@ -262,6 +289,25 @@ where
     }
 }
 
+/// Waits up to `timeout` until `n` rows of `db`'s outbox are marked published.
+pub async fn wait_published(db: &TestDb, n: i64, timeout: Duration) {
+    wait_until(timeout, &format!("{n} rows published"), || async {
+        db.scalar("SELECT count(*) FROM outbox_audit WHERE published_at IS NOT NULL") >= n
+    })
+    .await;
+}
+
+/// Message ids per aggregate, in stream order.
+pub fn by_aggregate(msgs: &[Received]) -> HashMap<String, Vec<String>> {
+    let mut out: HashMap<String, Vec<String>> = HashMap::new();
+    for m in msgs {
+        out.entry(m.aggregate_id.clone())
+            .or_default()
+            .push(m.msg_id.clone());
+    }
+    out
+}
+
 /// The directory cargo puts binaries in (`target/debug`), found from this test's own path.
 pub fn target_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");
@@ -292,6 +338,18 @@ pub fn example_bin(name: &str) -> PathBuf {
         p.display()
     );
     p
+}
+
+/// Reads `pipe` to its end on a thread of its own (so that a child filling one pipe cannot
+/// block while another is read); join the thread for the text.
+pub fn read_in_background(
+    mut pipe: impl std::io::Read + Send + 'static,
+) -> std::thread::JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = pipe.read_to_string(&mut s);
+        s
+    })
 }
 
 /// A child process killed (SIGKILL) and reaped on `Drop`.
@@ -417,6 +475,16 @@ impl Drop for Relay {
         self.proc.kill();
         let _ = std::fs::remove_file(&self.log);
     }
+}
+
+/// A relay process (see [`relay_command`]) with its admin listener (`/metrics`, `/healthz`,
+/// `/readyz`) on a free port of its own, and extra `args`: the relay and the listener's address.
+pub fn relay_with_metrics(db: &TestDb, stream: &TestStream, args: &[&str]) -> (Relay, String) {
+    let addr = format!("127.0.0.1:{}", free_port());
+    let mut all = vec!["--metrics-addr", addr.as_str()];
+    all.extend_from_slice(args);
+    let relay = Relay::start(relay_command(db, stream, &all));
+    (relay, addr)
 }
 
 /// `GET path` over HTTP/1.0 from `addr`: the status code and the body.

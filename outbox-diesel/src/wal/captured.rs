@@ -1,6 +1,6 @@
 //! The outbox table's side of log tailing: the age of what the slot has not confirmed, rows
-//! parked and captured rows deleted, and the rows recorded before a new slot, read in its
-//! snapshot.
+//! parked and captured rows deleted, released rows settled, and the rows recorded before a
+//! new slot, read in its snapshot.
 
 use super::error::classify;
 use super::*;
@@ -110,6 +110,38 @@ pub(super) async fn rows_by_seq(
     .bind::<Array<BigInt>, _>(seqs)
     .load(conn)
     .await
+}
+
+impl WalReader {
+    /// Settles the released parked rows (`outbox-relay retry`) read in transactions confirmed
+    /// by `confirmed`: their `last_error` is cleared, so that the cleanup of captured rows, which
+    /// passes over rows with a `last_error`, may delete them. A released row keeps it until
+    /// then, so the cleanup cannot delete it before the reader has read the release.
+    pub async fn settle_released(
+        &mut self,
+        conn: &mut AsyncPgConnection,
+        confirmed: Lsn,
+    ) -> Result<(), WalError> {
+        let seqs: Vec<i64> = self
+            .released
+            .iter()
+            .filter(|(commit, _)| confirms(confirmed, *commit))
+            .map(|(_, seq)| *seq)
+            .collect();
+        if seqs.is_empty() {
+            return Ok(());
+        }
+        diesel::sql_query(format!(
+            "UPDATE {} SET last_error = NULL WHERE seq = ANY($1) AND parked_at IS NULL",
+            self.table.quoted()
+        ))
+        .bind::<Array<BigInt>, _>(&seqs)
+        .execute(conn)
+        .await?;
+        self.released
+            .retain(|(commit, _)| !confirms(confirmed, *commit));
+        Ok(())
+    }
 }
 
 /// Up to `limit` rows after `after_seq`, in `seq` order, that no relay has published and

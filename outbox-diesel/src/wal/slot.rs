@@ -1,6 +1,7 @@
-//! The slot and what it needs: the publication, the relay's record of its slot (its last
-//! confirmed position, so a lost slot is an error and not a silent restart), creating the
-//! slot with its snapshot, the slot's lock and lag.
+//! The slot's life: setting it up, the relay's record of it (its last confirmed position, so
+//! a lost slot is an error and not a silent restart), creating it with its snapshot,
+//! advancing it and closing the reader. The publication is in `publication.rs`, what the
+//! server says of a slot (its state, lag and reader's lock) in `status.rs`.
 
 use super::error::{classify, maybe_busy};
 use super::*;
@@ -30,30 +31,6 @@ pub(super) struct SlotRecord {
     confirmed: Option<i64>,
     #[diesel(sql_type = diesel::sql_types::Timestamptz)]
     updated_at: DateTime<Utc>,
-}
-
-#[derive(QueryableByName)]
-pub(super) struct SlotRow {
-    #[diesel(sql_type = Nullable<Text>)]
-    plugin: Option<String>,
-    #[diesel(sql_type = Nullable<Text>)]
-    database: Option<String>,
-    #[diesel(sql_type = Nullable<Bool>)]
-    here: Option<bool>,
-    #[diesel(sql_type = Nullable<Text>)]
-    wal_status: Option<String>,
-    #[diesel(sql_type = Nullable<BigInt>)]
-    confirmed: Option<i64>,
-}
-
-#[derive(QueryableByName)]
-pub(super) struct PubRow {
-    #[diesel(sql_type = Bool)]
-    pubinsert: bool,
-    #[diesel(sql_type = Bool)]
-    pubupdate: bool,
-    #[diesel(sql_type = Bool)]
-    has_table: bool,
 }
 
 impl WalReader {
@@ -322,113 +299,6 @@ impl WalReader {
         self.write_record(conn, "streaming", Some(at)).await
     }
 
-    pub(super) async fn ensure_publication(
-        &self,
-        conn: &mut AsyncPgConnection,
-    ) -> Result<(), WalError> {
-        let found: Vec<PubRow> = diesel::sql_query(format!(
-            "SELECT p.pubinsert, p.pubupdate, (p.puballtables OR EXISTS (SELECT 1 FROM pg_publication_rel r \
-             WHERE r.prpubid = p.oid AND r.prrelid = to_regclass({}))) AS has_table \
-             FROM pg_publication p WHERE p.pubname = $1",
-            quote_literal(&self.table.quoted())
-        ))
-        .bind::<Text, _>(&self.publication)
-        .load(conn)
-        .await?;
-        match found.as_slice().first() {
-            Some(p) if p.pubinsert && p.has_table => {
-                if !p.pubupdate {
-                    tracing::warn!(publication = %self.publication, "the publication does not publish updates: `outbox-relay retry` of a parked event is not seen by log tailing");
-                }
-                Ok(())
-            }
-            Some(_) => Err(WalError::PublicationMismatch {
-                publication: self.publication.clone(),
-                table: self.table.to_string(),
-            }),
-            None => {
-                let sql = format!(
-                    "CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert, update')",
-                    quote_ident(&self.publication),
-                    self.table.quoted()
-                );
-                match conn.batch_execute(&sql).await {
-                    Ok(()) => {
-                        tracing::info!(publication = %self.publication, table = %self.table, "publication created");
-                        Ok(())
-                    }
-                    // decided on the server's state, not on the message (worded in the
-                    // language of the server's lc_messages)
-                    Err(e @ DieselError::DatabaseError(..)) => {
-                        let now: Vec<PubRow> = diesel::sql_query(
-                            "SELECT true AS pubinsert, true AS pubupdate, true AS has_table \
-                             FROM pg_publication WHERE pubname = $1",
-                        )
-                        .bind::<Text, _>(&self.publication)
-                        .load(conn)
-                        .await?;
-                        if !now.is_empty() {
-                            // another relay created it meanwhile
-                            return Ok(());
-                        }
-                        let may: Flag = diesel::sql_query(
-                            "SELECT pg_has_role(current_user, c.relowner, 'USAGE') \
-                             AND has_database_privilege(current_database(), 'CREATE') AS flag \
-                             FROM pg_class c WHERE c.oid = to_regclass($1)",
-                        )
-                        .bind::<Text, _>(self.table.quoted())
-                        .get_result(conn)
-                        .await?;
-                        if may.flag == Some(false) {
-                            Err(WalError::PublicationRight {
-                                publication: self.publication.clone(),
-                                table: self.table.to_string(),
-                                source: e,
-                            })
-                        } else {
-                            Err(e.into())
-                        }
-                    }
-                    Err(e) => Err(e.into()),
-                }
-            }
-        }
-    }
-
-    /// Whether the slot exists; an error when it is not a usable slot of this database.
-    pub(super) async fn check_slot(&self, conn: &mut AsyncPgConnection) -> Result<bool, WalError> {
-        let found: Vec<SlotRow> = diesel::sql_query(
-            "SELECT s.plugin::text AS plugin, d.datname::text AS database, \
-             d.datname = current_database() AS here, s.wal_status, \
-             (s.confirmed_flush_lsn - '0/0'::pg_lsn)::bigint AS confirmed \
-             FROM pg_replication_slots s LEFT JOIN pg_database d ON d.oid = s.datoid \
-             WHERE s.slot_name = $1",
-        )
-        .bind::<Text, _>(&self.slot)
-        .load(conn)
-        .await?;
-        if let Some(s) = found.as_slice().first() {
-            if s.plugin.as_deref() != Some("pgoutput") || s.here != Some(true) {
-                return Err(WalError::SlotMismatch {
-                    slot: self.slot.clone(),
-                    found: format!(
-                        "a slot of plugin {} in database {}",
-                        s.plugin.as_deref().unwrap_or("none (physical)"),
-                        s.database.as_deref().unwrap_or("none")
-                    ),
-                });
-            }
-            if s.wal_status.as_deref() == Some("lost") || s.confirmed.is_none() {
-                return Err(WalError::SlotLost {
-                    slot: self.slot.clone(),
-                    state: s.wal_status.clone().unwrap_or_else(|| "invalid".into()),
-                });
-            }
-            return Ok(true);
-        }
-        Ok(false)
-    }
-
     /// Creates the slot with the SQL function (no snapshot): for a reader that reads with SQL.
     pub(super) async fn create_slot_sql(
         &self,
@@ -454,51 +324,6 @@ impl WalReader {
             }
             Err(e) => Err(classify(conn, e, &self.slot).await),
         }
-    }
-
-    /// Settles the released parked rows (`outbox-relay retry`) read in transactions confirmed
-    /// by `confirmed`: their `last_error` is cleared, so that the cleanup of captured rows, which
-    /// passes over rows with a `last_error`, may delete them. A released row keeps it until
-    /// then, so the cleanup cannot delete it before the reader has read the release.
-    pub async fn settle_released(
-        &mut self,
-        conn: &mut AsyncPgConnection,
-        confirmed: Lsn,
-    ) -> Result<(), WalError> {
-        let seqs: Vec<i64> = self
-            .released
-            .iter()
-            .filter(|(commit, _)| confirms(confirmed, *commit))
-            .map(|(_, seq)| *seq)
-            .collect();
-        if seqs.is_empty() {
-            return Ok(());
-        }
-        diesel::sql_query(format!(
-            "UPDATE {} SET last_error = NULL WHERE seq = ANY($1) AND parked_at IS NULL",
-            self.table.quoted()
-        ))
-        .bind::<Array<BigInt>, _>(&seqs)
-        .execute(conn)
-        .await?;
-        self.released
-            .retain(|(commit, _)| !confirms(confirmed, *commit));
-        Ok(())
-    }
-
-    /// The slot's confirmed position now.
-    pub async fn confirmed(&self, conn: &mut AsyncPgConnection) -> Result<Option<Lsn>, WalError> {
-        let p: Vec<Position> = diesel::sql_query(
-            "SELECT (confirmed_flush_lsn - '0/0'::pg_lsn)::bigint AS lsn \
-             FROM pg_replication_slots WHERE slot_name = $1",
-        )
-        .bind::<Text, _>(&self.slot)
-        .load(conn)
-        .await?;
-        Ok(p.as_slice()
-            .first()
-            .and_then(|p| p.lsn)
-            .map(|l| Lsn(l as u64)))
     }
 }
 
@@ -547,55 +372,6 @@ pub(super) async fn end_stale_sender(
     .execute(conn)
     .await?;
     Ok(())
-}
-
-/// A replication slot's state and how far it lags.
-#[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize)]
-pub struct SlotLag {
-    /// The slot.
-    #[diesel(sql_type = Text)]
-    pub slot: String,
-    /// Its confirmed position (`X/X`).
-    #[diesel(sql_type = Nullable<Text>)]
-    pub confirmed_flush_lsn: Option<String>,
-    /// Bytes of WAL written since its confirmed position: what a reader has yet to confirm.
-    #[diesel(sql_type = BigInt)]
-    pub lag_bytes: i64,
-    /// Bytes of WAL the slot keeps on disk (from its restart position).
-    #[diesel(sql_type = BigInt)]
-    pub retained_bytes: i64,
-    /// PostgreSQL's `wal_status`: `reserved`, `extended`, `unreserved` (about to be lost) or
-    /// `lost`.
-    #[diesel(sql_type = Nullable<Text>)]
-    pub wal_status: Option<String>,
-    /// Bytes that may still be written before the slot is lost to `max_slot_wal_keep_size`;
-    /// `None` when that setting is unlimited.
-    #[diesel(sql_type = Nullable<BigInt>)]
-    pub safe_wal_size: Option<i64>,
-    /// The relay session that holds the reader's lock.
-    #[diesel(sql_type = Nullable<Integer>)]
-    pub reader_pid: Option<i32>,
-}
-
-/// The lag of `slot`, or `None` when it does not exist.
-pub async fn slot_lag(
-    conn: &mut AsyncPgConnection,
-    slot: &str,
-) -> diesel::QueryResult<Option<SlotLag>> {
-    let rows: Vec<SlotLag> = diesel::sql_query(format!(
-        "SELECT s.slot_name::text AS slot, s.confirmed_flush_lsn::text AS confirmed_flush_lsn, \
-         COALESCE((pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint, 0) AS lag_bytes, \
-         COALESCE((pg_current_wal_lsn() - s.restart_lsn)::bigint, 0) AS retained_bytes, \
-         s.wal_status, s.safe_wal_size, \
-         (SELECT l.pid FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted \
-          AND l.objsubid = 2 AND l.classid = {SLOT_LOCK_KEY} AND l.objid = hashtext(s.slot_name::text)::oid \
-          AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) LIMIT 1) AS reader_pid \
-         FROM pg_replication_slots s WHERE s.slot_name = $1"
-    ))
-    .bind::<Text, _>(slot)
-    .load(conn)
-    .await?;
-    Ok(rows.into_iter().next())
 }
 
 impl WalReader {
