@@ -87,7 +87,7 @@ struct Args {
     /// `log-tailing` or `1 partition`).
     #[arg(long, value_delimiter = ',')]
     runs: Vec<String>,
-    /// Only these sections (1-5), comma-separated.
+    /// Only these sections (1-6), comma-separated.
     #[arg(long, value_delimiter = ',')]
     only: Vec<u8>,
 }
@@ -196,6 +196,9 @@ impl Bench {
         if self.wants(5) {
             self.memory().await?;
         }
+        if self.wants(6) {
+            self.cleanup_cost().await?;
+        }
         Ok(())
     }
 
@@ -236,7 +239,7 @@ impl Bench {
     fn reset_outbox(&self) -> Result<()> {
         use diesel::RunQueryDsl;
         let mut conn = PgConnection::establish(&self.db_url)?;
-        diesel::sql_query("TRUNCATE outbox").execute(&mut conn)?;
+        diesel::sql_query("TRUNCATE outbox, outbox_progress").execute(&mut conn)?;
         Ok(())
     }
 
@@ -924,6 +927,64 @@ impl Bench {
             t / empty,
             self.poll_time(500).await?
         );
+        Ok(())
+    }
+
+    /// Section 6: what deleting kept rows costs PostgreSQL, for rows marked `published_at`
+    /// (unordered, and the ordered relay before snapshot batches) and for rows an ordered
+    /// relay's cursor covered, each published an hour ago: the relay's own cleanup
+    /// (`outbox_nats::cleanup::sweep`, batches of 5,000) and a `VACUUM` after it.
+    async fn cleanup_cost(&mut self) -> Result<()> {
+        use diesel::RunQueryDsl;
+        let n = self.args.events;
+        println!("\n## 6. cleanup of {n} kept rows: PostgreSQL CPU per row removed\n");
+        println!(
+            "| rows published by | deleted in | delete: PostgreSQL CPU µs/row | delete + VACUUM: µs/row |"
+        );
+        println!("|---|---|---|---|");
+        for covered in [false, true] {
+            self.reset_outbox()?;
+            self.fill(n, false)?;
+            let mut conn = PgConnection::establish(&self.db_url)?;
+            if covered {
+                diesel::sql_query(
+                    "INSERT INTO outbox_progress (partitions, partition, upto_seq, snap, published_at) \
+                     SELECT 1, 0, max(seq), pg_current_snapshot(), now() - interval '1 hour' FROM outbox",
+                )
+                .execute(&mut conn)?;
+            } else {
+                diesel::sql_query("UPDATE outbox SET published_at = now() - interval '1 hour'")
+                    .execute(&mut conn)?;
+            }
+            diesel::sql_query("VACUUM ANALYZE outbox").execute(&mut conn)?;
+            let mut aconn = AsyncPgConnection::establish(&self.db_url).await?;
+            let before = cpu_snapshot();
+            let started = Instant::now();
+            let deleted = outbox_nats::cleanup::sweep(
+                &mut aconn,
+                &outbox_diesel::OutboxTable::DEFAULT,
+                None,
+                Duration::from_secs(60),
+                5_000,
+                &CancellationToken::new(),
+            )
+            .await?;
+            let took = started.elapsed();
+            let deleting = cpu_snapshot();
+            diesel::sql_query("VACUUM outbox").execute(&mut conn)?;
+            let after = cpu_snapshot();
+            if deleted as usize != n {
+                bail!("cleanup removed {deleted} rows of {n}");
+            }
+            let delete = CpuUse::between(&before, &deleting, n, &[]).postgres;
+            let total = CpuUse::between(&before, &after, n, &[]).postgres;
+            let by = if covered {
+                "the ordered relay (a cursor covered them)"
+            } else {
+                "a mark (`published_at` set)"
+            };
+            println!("| {by} | {took:.2?} | {delete:.1} | {total:.1} |");
+        }
         Ok(())
     }
 
