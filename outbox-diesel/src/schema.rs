@@ -117,6 +117,7 @@ fn snapshot_sql(table: &OutboxTable) -> String {
     let index = |suffix: &str| crate::table::quote_ident(&format!("{}_{suffix}", table.name()));
     SNAPSHOT_SQL
         .replace("outbox_progress_cursor", &index("progress_cursor"))
+        .replace("outbox_progress_upto", &index("progress_upto"))
         .replace(
             "CREATE TABLE outbox_progress (",
             &format!("CREATE TABLE {} (", progress_table(table)),

@@ -18,15 +18,17 @@ CREATE TABLE outbox_progress (
     published_at timestamptz NOT NULL DEFAULT now()
 );
 CREATE INDEX outbox_progress_cursor ON outbox_progress (partitions, partition, id);
+-- the first batch that covered a row: the first at or past its seq (a partition's seq only grows)
+CREATE INDEX outbox_progress_upto ON outbox_progress (upto_seq, id);
 -- Every row with when it was published: the column's value, or for a row the ordered relay
 -- published, the time of the first batch that covered it. NULL while unpublished.
 CREATE VIEW outbox_audit AS
 SELECT o.seq, o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload, o.headers,
        o.created_at,
-       COALESCE(o.published_at, (SELECT min(p.published_at) FROM outbox_progress p
-                                  WHERE o.parked_at IS NULL
+       COALESCE(o.published_at, (SELECT p.published_at FROM outbox_progress p
+                                  WHERE o.parked_at IS NULL AND p.upto_seq >= o.seq
                                     AND p.partition = o.aggregate_hash % p.partitions
-                                    AND p.upto_seq >= o.seq
-                                    AND pg_visible_in_snapshot(o.txid, p.snap))) AS published_at,
+                                    AND pg_visible_in_snapshot(o.txid, p.snap)
+                                  ORDER BY p.upto_seq, p.id LIMIT 1)) AS published_at,
        o.aggregate_hash, o.attempts, o.last_error, o.parked_at, o.txid
   FROM outbox o;

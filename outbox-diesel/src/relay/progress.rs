@@ -519,8 +519,9 @@ pub async fn archive_read(
     let dated = columns.replace(
         "published_at",
         &format!(
-            "(SELECT min(p.published_at) FROM {p} p WHERE p.partition = m.aggregate_hash % \
-             p.partitions AND p.upto_seq >= m.seq AND pg_visible_in_snapshot(m.txid, p.snap))"
+            "(SELECT p.published_at FROM {p} p WHERE p.upto_seq >= m.seq \
+             AND p.partition = m.aggregate_hash % p.partitions \
+             AND pg_visible_in_snapshot(m.txid, p.snap) ORDER BY p.upto_seq, p.id LIMIT 1)"
         ),
     );
     diesel::sql_query(format!(
