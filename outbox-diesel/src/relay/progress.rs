@@ -258,6 +258,21 @@ pub struct Batch {
     pub held: usize,
 }
 
+/// Whether an earlier row of row `o`'s aggregate is parked or held (1), or only released
+/// ones are waiting (2), or none (0). Each test stops at the first row it finds, so a row
+/// costs the same however many rows of its aggregate wait.
+fn behind_sql(table: &OutboxTable) -> String {
+    let t = table.quoted();
+    let earlier = format!(
+        "FROM {t} p WHERE p.aggregate_type = o.aggregate_type AND p.aggregate_id = o.aggregate_id \
+         AND p.parked_at IS NOT NULL AND p.published_at IS NULL AND p.seq < o.seq"
+    );
+    format!(
+        "CASE WHEN EXISTS (SELECT 1 {earlier} AND p.parked_at < 'infinity') THEN 1 \
+         WHEN EXISTS (SELECT 1 {earlier} AND p.parked_at = 'infinity') THEN 2 ELSE 0 END"
+    )
+}
+
 #[derive(QueryableByName)]
 struct Fetched {
     #[diesel(embed)]
@@ -289,37 +304,7 @@ pub async fn fetch_batch(
     limit: i64,
     max_bytes: i64,
 ) -> QueryResult<Batch> {
-    const COLUMNS: &str = "o.seq, o.id, o.aggregate_type, o.aggregate_id, o.event_type, \
-                           o.payload, o.headers, o.created_at, o.attempts";
-    let t = table.quoted();
-    let part = if partition.count > 1 {
-        // the count is a literal: each partition count gets its own cached plan
-        format!(
-            " AND o.aggregate_hash % {} = {}",
-            partition.count, partition.index
-        )
-    } else {
-        String::new()
-    };
-    let sql = format!(
-        "WITH cur AS MATERIALIZED (SELECT pg_current_snapshot() AS s) \
-         SELECT {COLUMNS}, o.part, (SELECT CASE WHEN bool_or(p.parked_at < 'infinity') THEN 1 \
-         WHEN count(*) > 0 THEN 2 ELSE 0 END FROM {t} p WHERE p.parked_at IS NOT NULL \
-         AND p.published_at IS NULL AND p.aggregate_type = o.aggregate_type \
-         AND p.aggregate_id = o.aggregate_id AND p.seq < o.seq) AS behind, \
-         (SELECT s::text FROM cur) AS snap FROM ( \
-         (SELECT {COLUMNS}, 0 AS part FROM (SELECT {COLUMNS}, COALESCE(sum(octet_length(o.payload::text)) \
-         OVER (ORDER BY o.seq ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before \
-         FROM (SELECT {COLUMNS} FROM {t} o WHERE o.published_at IS NULL AND o.parked_at IS NULL{part} \
-         AND o.seq > $1 ORDER BY o.seq LIMIT $3) o) o WHERE o.before < $4) \
-         UNION ALL \
-         (SELECT {COLUMNS}, 1 FROM {t} o WHERE o.published_at IS NULL AND o.parked_at IS NULL{part} \
-         AND o.seq + 0 <= $1 AND (o.txid = ANY(ARRAY(SELECT pg_snapshot_xip($2::pg_snapshot))) \
-         OR o.txid >= pg_snapshot_xmax($2::pg_snapshot))) \
-         UNION ALL \
-         (SELECT {COLUMNS}, 2 FROM {t} o WHERE o.parked_at = 'infinity' AND o.published_at IS NULL{part} \
-         AND o.seq <> ALL($5) ORDER BY o.seq LIMIT $3)) o"
-    );
+    let sql = batch_sql(table, partition);
     let fetched: Vec<Fetched> = diesel::sql_query(sql)
         .bind::<BigInt, _>(cursor.upto_seq)
         .bind::<Text, _>(&cursor.snap)
@@ -380,6 +365,71 @@ pub async fn fetch_batch(
     })
 }
 
+/// The statement of [`fetch_batch`] for `partition` of `table`; its binds: the cursor's `seq`
+/// and snapshot, the row limit, the byte budget, the released rows to leave out.
+fn batch_sql(table: &OutboxTable, partition: Partition) -> String {
+    const COLUMNS: &str = "o.seq, o.id, o.aggregate_type, o.aggregate_id, o.event_type, \
+                           o.payload, o.headers, o.created_at, o.attempts";
+    let t = table.quoted();
+    let part = if partition.count > 1 {
+        // the count is a literal: each partition count gets its own cached plan
+        format!(
+            " AND o.aggregate_hash % {} = {}",
+            partition.count, partition.index
+        )
+    } else {
+        String::new()
+    };
+    let behind = behind_sql(table);
+    format!(
+        "WITH cur AS MATERIALIZED (SELECT pg_current_snapshot() AS s) \
+         SELECT {COLUMNS}, o.part, {behind} AS behind, \
+         (SELECT s::text FROM cur) AS snap FROM ( \
+         (SELECT {COLUMNS}, 0 AS part FROM (SELECT {COLUMNS}, COALESCE(sum(octet_length(o.payload::text)) \
+         OVER (ORDER BY o.seq ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before \
+         FROM (SELECT {COLUMNS} FROM {t} o WHERE o.published_at IS NULL AND o.parked_at IS NULL{part} \
+         AND o.seq > $1 ORDER BY o.seq LIMIT $3) o) o WHERE o.before < $4) \
+         UNION ALL \
+         (SELECT {COLUMNS}, 1 FROM {t} o WHERE o.published_at IS NULL AND o.parked_at IS NULL{part} \
+         AND o.seq + 0 <= $1 AND o.txid = ANY(ARRAY(SELECT pg_snapshot_xip($2::pg_snapshot)))) \
+         UNION ALL \
+         (SELECT {COLUMNS}, 1 FROM {t} o WHERE o.published_at IS NULL AND o.parked_at IS NULL{part} \
+         AND o.seq + 0 <= $1 AND o.txid >= pg_snapshot_xmax($2::pg_snapshot) \
+         AND o.txid < pg_snapshot_xmax(pg_current_snapshot())) \
+         UNION ALL \
+         (SELECT {COLUMNS}, 2 FROM {t} o WHERE o.parked_at = 'infinity' AND o.published_at IS NULL{part} \
+         AND o.seq <> ALL($5) ORDER BY o.seq LIMIT $3)) o"
+    )
+}
+
+/// [`fetch_batch`]'s statement run with `EXPLAIN (ANALYZE, BUFFERS)` at `cursor`: the plan
+/// with the rows and buffers each node read (nothing is held back or recorded).
+pub async fn explain_batch_analyze(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    partition: Partition,
+    cursor: &Cursor,
+    limit: i64,
+) -> QueryResult<Vec<String>> {
+    #[derive(QueryableByName)]
+    struct PlanLine {
+        #[diesel(sql_type = Text, column_name = "QUERY PLAN")]
+        line: String,
+    }
+    let lines: Vec<PlanLine> = diesel::sql_query(format!(
+        "EXPLAIN (ANALYZE, BUFFERS) {}",
+        batch_sql(table, partition)
+    ))
+    .bind::<BigInt, _>(cursor.upto_seq)
+    .bind::<Text, _>(&cursor.snap)
+    .bind::<BigInt, _>(limit)
+    .bind::<BigInt, _>(i64::MAX)
+    .bind::<Array<BigInt>, _>(Vec::<i64>::new())
+    .load(conn)
+    .await?;
+    Ok(lines.into_iter().map(|l| l.line).collect())
+}
+
 #[derive(QueryableByName)]
 struct SetAside {
     #[diesel(sql_type = BigInt)]
@@ -404,15 +454,13 @@ async fn set_aside(
     conn.transaction(async |conn| {
         super::parking::lock_holds(conn, table).await?;
         diesel::sql_query(format!(
-            "WITH b AS (SELECT o.seq, (SELECT CASE WHEN bool_or(p.parked_at < 'infinity') THEN 1 \
-             WHEN count(*) > 0 THEN 2 ELSE 0 END FROM {t} p WHERE p.parked_at IS NOT NULL \
-             AND p.published_at IS NULL AND p.aggregate_type = o.aggregate_type \
-             AND p.aggregate_id = o.aggregate_id AND p.seq < o.seq) AS behind \
+            "WITH b AS (SELECT o.seq, {} AS behind \
              FROM {t} o WHERE o.seq = ANY($1) AND o.published_at IS NULL) \
              UPDATE {t} o SET parked_at = CASE WHEN b.behind = 1 THEN '-infinity'::timestamptz \
              ELSE 'infinity'::timestamptz END FROM b WHERE o.seq = b.seq AND b.behind > 0 \
              AND NOT (b.behind = 2 AND o.parked_at = 'infinity') \
-             RETURNING o.seq, b.behind = 1 AS held, b.behind = 2 AS joined"
+             RETURNING o.seq, b.behind = 1 AS held, b.behind = 2 AS joined",
+            behind_sql(table)
         ))
         .bind::<Array<BigInt>, _>(seqs)
         .load(conn)
@@ -449,6 +497,19 @@ pub async fn settle_progress(
     table: &OutboxTable,
 ) -> QueryResult<usize> {
     if !has_progress(conn, table).await? {
+        return Ok(0);
+    }
+    let may: super::Flag =
+        diesel::sql_query("SELECT has_table_privilege(to_regclass($1), 'SELECT, DELETE') AS flag")
+            .bind::<Text, _>(progress_table(table))
+            .get_result(conn)
+            .await?;
+    if may.flag != Some(true) {
+        // a role without rights on the progress was never an ordered relay's: nothing to settle
+        // that it could read
+        tracing::debug!(
+            "no rights on the progress table; an ordered relay's progress is not settled"
+        );
         return Ok(0);
     }
     let t = table.quoted();
@@ -627,7 +688,8 @@ impl Coverage {
              UNION ALL SELECT o.* FROM {t} o WHERE o.published_at IS NULL AND o.parked_at IS NULL \
              AND o.seq > {LOW} AND NOT {COVERED} \
              UNION ALL SELECT o.* FROM {t} o WHERE o.published_at IS NULL AND o.parked_at IS NULL \
-             AND o.seq <= {LOW} AND (o.txid >= (SELECT min(pg_snapshot_xmax(snap)) FROM c) \
+             AND o.seq <= {LOW} AND ((o.txid >= (SELECT min(pg_snapshot_xmax(snap)) FROM c) \
+             AND o.txid < pg_snapshot_xmax(pg_current_snapshot())) \
              OR o.txid = ANY(ARRAY(SELECT pg_snapshot_xip(snap) FROM c))) AND NOT {COVERED}) o"
         )
     }
