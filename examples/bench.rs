@@ -887,47 +887,84 @@ impl Bench {
 
     /// Section 4.
     async fn poll_cost(&mut self) -> Result<()> {
-        println!("\n## 4. poll cost: the relay's fetch query, median of 200 runs\n");
+        println!("\n## 4. poll cost: the relays' fetch queries, median of 200 runs\n");
         println!(
-            "| table | ms to find the oldest row (LIMIT 1) | ratio to empty | ms per batch of 500 |"
+            "| table | unordered: ms to find the oldest row (LIMIT 1) | ratio to empty | unordered: ms per batch of 500 | ordered: ms per batch of 500 at its cursor |"
         );
-        println!("|---|---|---|---|");
+        println!("|---|---|---|---|---|");
         self.reset_outbox()?;
         let empty = self.poll_time(1).await?;
         println!(
-            "| empty | {empty:.3} | 1.00 | {:.3} |",
-            self.poll_time(500).await?
+            "| empty | {empty:.3} | 1.00 | {:.3} | {:.3} |",
+            self.poll_time(500).await?,
+            self.batch_time(&outbox_diesel::relay::Cursor::start(), 500)
+                .await?
         );
         let mut kept = 0;
+        let mut cursor = outbox_diesel::relay::Cursor::start();
         for target in self.args.kept.clone() {
             if target <= kept {
                 continue;
             }
             self.fill_published(target - kept)?;
             kept = target;
+            // an ordered relay's cursor past every row kept
+            cursor = self.cursor_now()?;
             let t = self.poll_time(1).await?;
             println!(
-                "| {kept} published rows kept, none unpublished | {t:.3} | {:.2} | {:.3} |",
+                "| {kept} published rows kept, none unpublished | {t:.3} | {:.2} | {:.3} | {:.3} |",
                 t / empty,
-                self.poll_time(500).await?
+                self.poll_time(500).await?,
+                self.batch_time(&cursor, 500).await?
             );
         }
         self.fill(100_000, false)?;
         let backlog = self.poll_time(1).await?;
         println!(
-            "| same + 100000 unpublished backlog | {backlog:.3} | {:.2} | {:.3} |",
+            "| same + 100000 unpublished backlog | {backlog:.3} | {:.2} | {:.3} | {:.3} |",
             backlog / empty,
-            self.poll_time(500).await?
+            self.poll_time(500).await?,
+            self.batch_time(&cursor, 500).await?
         );
         let held = self.args.held_back;
         self.hold_back(held).await?;
         let t = self.poll_time(1).await?;
         println!(
-            "| same + {held} rows of one aggregate held back behind its parked row | {t:.3} | {:.2} | {:.3} |",
+            "| same + {held} rows of one aggregate held back behind its parked row | {t:.3} | {:.2} | {:.3} | {:.3} |",
             t / empty,
-            self.poll_time(500).await?
+            self.poll_time(500).await?,
+            self.batch_time(&cursor, 500).await?
         );
         Ok(())
+    }
+
+    /// A cursor past every row in the table, as an ordered relay leaves it after reading them.
+    fn cursor_now(&self) -> Result<outbox_diesel::relay::Cursor> {
+        use diesel::RunQueryDsl;
+        let mut conn = PgConnection::establish(&self.db_url)?;
+        Ok(diesel::sql_query(
+            "SELECT COALESCE(max(seq), 0) AS upto_seq, pg_current_snapshot()::text AS snap FROM outbox",
+        )
+        .get_result(&mut conn)?)
+    }
+
+    /// The median of 200 runs of the ordered relay's batch at `cursor`, in ms (after 20 runs
+    /// that set aside what a parked row holds back).
+    async fn batch_time(&self, cursor: &outbox_diesel::relay::Cursor, limit: i64) -> Result<f64> {
+        let mut conn = AsyncPgConnection::establish(&self.db_url).await?;
+        outbox_diesel::relay::prepare_session(&mut conn).await?;
+        let table = outbox_diesel::OutboxTable::DEFAULT;
+        let part = outbox_diesel::relay::Partition::ALL;
+        let mut times = Vec::with_capacity(200);
+        for i in 0..220 {
+            let start = Instant::now();
+            outbox_diesel::relay::fetch_batch(&mut conn, &table, part, cursor, &[], limit, 8 << 20)
+                .await?;
+            if i >= 20 {
+                times.push(start.elapsed().as_secs_f64() * 1000.0);
+            }
+        }
+        Ok(median(&mut times))
     }
 
     /// Section 6: what deleting kept rows costs PostgreSQL, for rows marked `published_at`
