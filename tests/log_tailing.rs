@@ -747,7 +747,7 @@ async fn a_role_without_replication_cannot_stream_a_slot_made_for_it() {
 /// A login role named after the slot (roles are cluster-wide) with the table rights of a
 /// log-tailing relay but not `REPLICATION`, and the test database's URL as that role.
 fn role_without_replication(db: &TestDb, slot: &Slot) -> (String, String) {
-    let role = format!("lt_role_{}", &slot.name[3..15]);
+    let role = format!("lt_role_{}", &slot.name[3..]);
     let mut conn = db.conn();
     diesel::sql_query(format!("CREATE ROLE {role} LOGIN"))
         .execute(&mut conn)

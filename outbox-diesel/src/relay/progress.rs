@@ -489,6 +489,22 @@ pub async fn mark_released(
     .await
 }
 
+/// Whether the session's role holds `rights` (`has_table_privilege`'s list) on the progress
+/// table of `table`, which exists.
+async fn may_read_progress(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    rights: &str,
+) -> QueryResult<bool> {
+    let may: super::Flag =
+        diesel::sql_query("SELECT has_table_privilege(to_regclass($1), $2) AS flag")
+            .bind::<Text, _>(progress_table(table))
+            .bind::<Text, _>(rights)
+            .get_result(conn)
+            .await?;
+    Ok(may.flag == Some(true))
+}
+
 /// Marks `published_at` on every row a cursor read and forgets the cursors: for a relay of
 /// another mode (unordered, log tailing) taking over a table the ordered relay published
 /// from, so that it does not publish those rows again. Returns how many rows it marked.
@@ -499,12 +515,7 @@ pub async fn settle_progress(
     if !has_progress(conn, table).await? {
         return Ok(0);
     }
-    let may: super::Flag =
-        diesel::sql_query("SELECT has_table_privilege(to_regclass($1), 'SELECT, DELETE') AS flag")
-            .bind::<Text, _>(progress_table(table))
-            .get_result(conn)
-            .await?;
-    if may.flag != Some(true) {
+    if !may_read_progress(conn, table, "SELECT, DELETE").await? {
         // a role without rights on the progress was never an ordered relay's: nothing to settle
         // that it could read
         tracing::debug!(
@@ -637,11 +648,11 @@ pub(crate) struct Coverage {
 }
 
 impl Coverage {
-    /// Reads whether `table` has snapshot batches.
     /// Reads whether an ordered relay records its progress on `table` (since the last
-    /// [`settle_progress`]).
+    /// [`settle_progress`]). A role that may not read the progress table was never an ordered
+    /// relay's (a log-tailing relay granted only the outbox table): for it, nothing is covered.
     pub(crate) async fn of(conn: &mut AsyncPgConnection, table: &OutboxTable) -> QueryResult<Self> {
-        if !has_progress(conn, table).await? {
+        if !has_progress(conn, table).await? || !may_read_progress(conn, table, "SELECT").await? {
             return Ok(Coverage { cte: None });
         }
         let f: super::Flag = diesel::sql_query(format!(
