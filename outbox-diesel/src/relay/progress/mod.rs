@@ -1,0 +1,305 @@
+//! Snapshot batches: how the ordered relay reads its partitions and records what it published
+//! without a write per row.
+//!
+//! Every row carries the id of the transaction that inserted it (`txid`, `xid8`). Per
+//! partition, the relay keeps a [`Cursor`]: the highest `seq` it has read, `W`, and the snapshot
+//! `S` it read at. What it has read is exactly the rows with `seq <= W` that `S` sees. A batch
+//! runs one statement, whose snapshot `cur` becomes the next `S`, and reads:
+//!
+//! - the next rows after `W`, in `seq` order (the poll's index), up to the batch size;
+//! - the late rows: `seq <= W` but not seen by `S`, so inserted by a transaction in progress at
+//!   `S` (its `xip` list) or begun after it (at or above its `xmax`). They are found by
+//!   transaction id (the index `outbox_txid`), so a transaction held open for an hour costs a
+//!   lookup of its id, not a rescan of everything recorded since it began (PgQ's batches);
+//! - the rows `outbox-relay retry` released after the relay had read past them
+//!   (`parked_at = 'infinity'`, the index `outbox_released`).
+//!
+//! The new cursor is `(max seq read, cur)`: every row at or below it that `cur` sees was read,
+//! either before (seen by `S`) or now. After the acks, the relay records the cursor with one
+//! `INSERT` per batch into `<table>_progress`; nothing is written per row. The view
+//! `<table>_audit` answers `published_at` for the rows a cursor covers (the time of the first
+//! batch that covered the row), and cleanup deletes the rows a cursor covered a retention ago.
+//!
+//! Late commits are never skipped, whatever the order of `seq` and commits: a committed row is
+//! read by the first batch whose snapshot sees it. Two transactions of one aggregate serialised
+//! by a lock commit in `seq` order, and the first is seen by every snapshot that sees the
+//! second: the first is read in the same batch (rows go out in `seq` order) or an earlier one.
+
+use diesel::sql_types::{Array, BigInt, Integer, Nullable, Text};
+use diesel::{QueryResult, QueryableByName};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+
+use crate::OutboxTable;
+
+use super::Partition;
+
+mod batch;
+mod coverage;
+mod retention;
+
+pub use batch::*;
+pub(crate) use coverage::Coverage;
+pub use retention::*;
+
+/// Where a partition's reading stands: every row with `seq <= upto_seq` that the snapshot
+/// `snap` sees has been read.
+#[derive(Debug, Clone, PartialEq, Eq, QueryableByName)]
+pub struct Cursor {
+    /// The highest `seq` read.
+    #[diesel(sql_type = BigInt)]
+    pub upto_seq: i64,
+    /// The snapshot the rows were read at, as PostgreSQL writes a `pg_snapshot`
+    /// (`xmin:xmax:xip,…`).
+    #[diesel(sql_type = Text)]
+    pub snap: String,
+}
+
+impl Cursor {
+    /// A partition nothing was read from: no `seq` at or below 0, a snapshot that sees nothing.
+    pub fn start() -> Cursor {
+        Cursor {
+            upto_seq: 0,
+            snap: "1:1:".to_owned(),
+        }
+    }
+}
+
+fn progress_table(table: &OutboxTable) -> String {
+    table.progress_table()
+}
+
+/// `c`: the last cursor of every partition of the newest partition count in the progress
+/// table (a partition not read yet: [`Cursor::start`]); no row when nothing was recorded.
+pub(crate) fn cursors_cte(table: &OutboxTable) -> String {
+    let p = progress_table(table);
+    format!(
+        "c AS MATERIALIZED (SELECT m.n AS partitions, g.p AS partition, \
+         COALESCE(l.upto_seq, 0) AS upto_seq, COALESCE(l.snap, '1:1:'::pg_snapshot) AS snap, \
+         l.published_at \
+         FROM (SELECT partitions AS n FROM {p} ORDER BY id DESC LIMIT 1) m \
+         CROSS JOIN generate_series(0, m.n - 1) AS g(p) \
+         LEFT JOIN LATERAL (SELECT upto_seq, snap, published_at FROM {p} \
+         WHERE partitions = m.n AND partition = g.p ORDER BY id DESC LIMIT 1) l ON true)"
+    )
+}
+
+/// Whether row `o` was read by its partition's cursor in `c` (see [`cursors_cte`]).
+pub(crate) const COVERED: &str = "EXISTS (SELECT 1 FROM c WHERE o.aggregate_hash % c.partitions \
+     = c.partition AND o.seq <= c.upto_seq AND pg_visible_in_snapshot(o.txid, c.snap))";
+
+/// Whether `table` has what snapshot batches need: its `txid` column and its progress table.
+/// A table made before them gets both from [`create_table`](crate::create_table) or the
+/// migrations.
+pub async fn has_progress(conn: &mut AsyncPgConnection, table: &OutboxTable) -> QueryResult<bool> {
+    let f: super::Flag = diesel::sql_query(
+        "SELECT to_regclass($1) IS NOT NULL AND EXISTS (SELECT 1 FROM pg_attribute \
+         WHERE attrelid = to_regclass($2) AND attname = 'txid' AND NOT attisdropped) AS flag",
+    )
+    .bind::<Text, _>(progress_table(table))
+    .bind::<Text, _>(table.quoted())
+    .get_result(conn)
+    .await?;
+    Ok(f.flag.unwrap_or(false))
+}
+
+/// The last recorded cursor of `partition`, if any.
+pub async fn load_cursor(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    partition: Partition,
+) -> QueryResult<Option<Cursor>> {
+    let rows: Vec<Cursor> = diesel::sql_query(format!(
+        "SELECT upto_seq, snap::text AS snap FROM {} WHERE partitions = $1 AND partition = $2 \
+         ORDER BY id DESC LIMIT 1",
+        progress_table(table)
+    ))
+    .bind::<Integer, _>(partition.count as i32)
+    .bind::<Integer, _>(partition.index as i32)
+    .load(conn)
+    .await?;
+    Ok(rows.into_iter().next())
+}
+
+/// The first key of the transaction advisory lock that serialises changing a table's
+/// partition count in its progress (the second is the table's OID): `'OBPC'` in ASCII.
+pub const PROGRESS_LOCK_KEY: i32 = 0x4F42_5043;
+
+/// Where `partition` goes on from: its last recorded cursor; when it has none and the
+/// progress was recorded under another partition count, every partition of the new count
+/// starts from what all the old ones read (the lowest `seq`, a snapshot that sees only what
+/// every old snapshot sees), and the rows an old cursor read beyond that start are marked
+/// `published_at` once, so that none is published again; otherwise [`Cursor::start`].
+///
+/// Relays of one table agree on the partition count before they read (see
+/// [`AdvisoryLock::PartitionCount`](super::AdvisoryLock::PartitionCount)).
+pub async fn start_cursor(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    partition: Partition,
+) -> QueryResult<Cursor> {
+    if let Some(c) = load_cursor(conn, table, partition).await? {
+        return Ok(c);
+    }
+    let t = table.quoted();
+    let p = progress_table(table);
+    let cte = cursors_cte(table);
+    conn.transaction(async |conn| {
+        diesel::sql_query(format!(
+            "SELECT pg_advisory_xact_lock({PROGRESS_LOCK_KEY}, to_regclass($1)::oid::int)"
+        ))
+        .bind::<Text, _>(t.clone())
+        .execute(conn)
+        .await?;
+        if let Some(c) = load_cursor(conn, table, partition).await? {
+            // another relay of the new count moved the progress meanwhile
+            return Ok(c);
+        }
+        #[derive(QueryableByName)]
+        struct Newest {
+            #[diesel(sql_type = Nullable<Integer>)]
+            n: Option<i32>,
+        }
+        let newest: Newest = diesel::sql_query(format!(
+            "SELECT (SELECT partitions FROM {p} ORDER BY id DESC LIMIT 1) AS n"
+        ))
+        .get_result(conn)
+        .await?;
+        let Some(old) = newest.n.filter(|&n| n != partition.count as i32) else {
+            return Ok(Cursor::start());
+        };
+        // the start every new partition shares: the lowest seq, and a snapshot that sees a
+        // transaction only when every old one does
+        let start: Cursor = diesel::sql_query(format!(
+            "WITH {cte}, lim AS (SELECT min(upto_seq) AS w, min(pg_snapshot_xmin(snap)) AS xmin, \
+             min(pg_snapshot_xmax(snap)) AS xmax FROM c) \
+             SELECT lim.w AS upto_seq, (lim.xmin::text || ':' || lim.xmax::text || ':' || \
+             COALESCE((SELECT string_agg(x::text, ',' ORDER BY x) FROM (SELECT DISTINCT x \
+             FROM c, pg_snapshot_xip(c.snap) AS x WHERE x < lim.xmax) d), ''))::pg_snapshot::text \
+             AS snap FROM lim"
+        ))
+        .get_result(conn)
+        .await?;
+        // what an old cursor read and the shared start does not cover: marked, once
+        let marked = diesel::sql_query(format!(
+            "WITH {cte} UPDATE {t} o SET published_at = now() \
+             WHERE o.published_at IS NULL AND o.parked_at IS NULL AND {COVERED} \
+             AND (o.seq > $1 OR o.txid = ANY(ARRAY(SELECT pg_snapshot_xip($2::pg_snapshot))) \
+             OR o.txid >= pg_snapshot_xmax($2::pg_snapshot))"
+        ))
+        .bind::<BigInt, _>(start.upto_seq)
+        .bind::<Text, _>(&start.snap)
+        .execute(conn)
+        .await?;
+        diesel::sql_query(format!(
+            "INSERT INTO {p} (partitions, partition, upto_seq, snap) \
+             SELECT $1, g, $2, $3::pg_snapshot FROM generate_series(0, $1 - 1) AS g"
+        ))
+        .bind::<Integer, _>(partition.count as i32)
+        .bind::<BigInt, _>(start.upto_seq)
+        .bind::<Text, _>(&start.snap)
+        .execute(conn)
+        .await?;
+        tracing::info!(
+            from_partitions = old,
+            to_partitions = partition.count,
+            marked,
+            "progress moved to the new partition count"
+        );
+        Ok(start)
+    })
+    .await
+}
+
+/// Records the cursors of a batch, one row per partition; the last one of a partition is where
+/// its next owner goes on from. Traced as the span `outbox.mark`.
+#[tracing::instrument(name = "outbox.mark", level = "debug", skip_all, fields(outbox.table = %table, outbox.partitions = cursors.len()))]
+pub async fn record_progress(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    cursors: &[(Partition, Cursor)],
+) -> QueryResult<()> {
+    if cursors.is_empty() {
+        return Ok(());
+    }
+    let counts: Vec<i32> = cursors.iter().map(|(p, _)| p.count as i32).collect();
+    let indexes: Vec<i32> = cursors.iter().map(|(p, _)| p.index as i32).collect();
+    let seqs: Vec<i64> = cursors.iter().map(|(_, c)| c.upto_seq).collect();
+    let snaps: Vec<&str> = cursors.iter().map(|(_, c)| c.snap.as_str()).collect();
+    diesel::sql_query(format!(
+        "INSERT INTO {} (partitions, partition, upto_seq, snap) \
+         SELECT n, i, s, x::pg_snapshot FROM unnest($1::int[], $2::int[], $3::bigint[], $4::text[]) \
+         AS u(n, i, s, x)",
+        progress_table(table)
+    ))
+    .bind::<Array<Integer>, _>(counts)
+    .bind::<Array<Integer>, _>(indexes)
+    .bind::<Array<BigInt>, _>(seqs)
+    .bind::<Array<Text>, _>(snaps)
+    .execute(conn)
+    .await
+    .map(drop)
+}
+
+/// Whether the session's role holds `rights` (`has_table_privilege`'s list) on the progress
+/// table of `table`, which exists.
+async fn may_read_progress(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    rights: &str,
+) -> QueryResult<bool> {
+    let may: super::Flag =
+        diesel::sql_query("SELECT has_table_privilege(to_regclass($1), $2) AS flag")
+            .bind::<Text, _>(progress_table(table))
+            .bind::<Text, _>(rights)
+            .get_result(conn)
+            .await?;
+    Ok(may.flag == Some(true))
+}
+
+/// Marks `published_at` on every row a cursor read and forgets the cursors: for a relay of
+/// another mode (unordered, log tailing) taking over a table the ordered relay published
+/// from, so that it does not publish those rows again. Returns how many rows it marked.
+pub async fn settle_progress(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+) -> QueryResult<usize> {
+    if !has_progress(conn, table).await? {
+        return Ok(0);
+    }
+    if !may_read_progress(conn, table, "SELECT, DELETE").await? {
+        // a role without rights on the progress was never an ordered relay's: nothing to settle
+        // that it could read
+        tracing::debug!(
+            "no rights on the progress table; an ordered relay's progress is not settled"
+        );
+        return Ok(0);
+    }
+    let t = table.quoted();
+    let p = progress_table(table);
+    let cte = cursors_cte(table);
+    conn.transaction(async |conn| {
+        diesel::sql_query(format!(
+            "SELECT pg_advisory_xact_lock({PROGRESS_LOCK_KEY}, to_regclass($1)::oid::int)"
+        ))
+        .bind::<Text, _>(t.clone())
+        .execute(conn)
+        .await?;
+        let marked = diesel::sql_query(format!(
+            "WITH {cte} UPDATE {t} o SET published_at = now() \
+             WHERE o.published_at IS NULL AND o.parked_at IS NULL AND {COVERED}"
+        ))
+        .execute(conn)
+        .await?;
+        // released rows not published yet: to be published as any unpublished row
+        diesel::sql_query(format!(
+            "UPDATE {t} SET parked_at = NULL WHERE parked_at = 'infinity' AND published_at IS NULL"
+        ))
+        .execute(conn)
+        .await?;
+        diesel::sql_query(format!("DELETE FROM {p}"))
+            .execute(conn)
+            .await?;
+        Ok(marked)
+    })
+    .await
+}

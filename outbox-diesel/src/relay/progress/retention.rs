@@ -1,0 +1,97 @@
+//! Retention: the rows a cursor read a retention ago, deleted or archived, and the progress
+//! rows no longer needed to tell them.
+
+use diesel::QueryResult;
+use diesel::sql_types::BigInt;
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+
+use crate::OutboxTable;
+
+use super::{COVERED, progress_table};
+
+/// Deletes up to `limit` rows a cursor read more than `older_than` ago (by the time of the
+/// last batch recorded before then), oldest first; returns how many. The rows marked
+/// `published_at` are [`delete_published`](crate::relay::delete_published)'s.
+pub async fn delete_read(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    older_than: std::time::Duration,
+    limit: i64,
+) -> QueryResult<usize> {
+    let t = table.quoted();
+    diesel::sql_query(format!(
+        "WITH {} DELETE FROM {t} WHERE seq IN (SELECT o.seq FROM {t} o \
+         WHERE o.published_at IS NULL AND o.parked_at IS NULL \
+         AND o.seq <= (SELECT max(upto_seq) FROM c) AND {COVERED} ORDER BY o.seq LIMIT $2 \
+         FOR UPDATE SKIP LOCKED)",
+        old_cursors_cte(table)
+    ))
+    .bind::<diesel::sql_types::Double, _>(older_than.as_secs_f64())
+    .bind::<BigInt, _>(limit)
+    .execute(conn)
+    .await
+}
+
+/// Like [`delete_read`], but moves the rows into `archive` (see
+/// [`archive_published`](crate::relay::archive_published)), each with the time of the first batch
+/// that covered it as its `published_at`; returns how many it moved.
+pub async fn archive_read(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    archive: &OutboxTable,
+    older_than: std::time::Duration,
+    limit: i64,
+) -> QueryResult<usize> {
+    let (t, a, p) = (table.quoted(), archive.quoted(), progress_table(table));
+    let columns = super::super::cleanup::ARCHIVE_COLUMNS;
+    let dated = columns.replace(
+        "published_at",
+        &format!(
+            "(SELECT p.published_at FROM {p} p WHERE p.upto_seq >= m.seq \
+             AND p.partition = m.aggregate_hash % p.partitions \
+             AND pg_visible_in_snapshot(m.txid, p.snap) ORDER BY p.upto_seq, p.id LIMIT 1)"
+        ),
+    );
+    diesel::sql_query(format!(
+        "WITH {}, moved AS (DELETE FROM {t} WHERE seq IN (SELECT o.seq FROM {t} o \
+         WHERE o.published_at IS NULL AND o.parked_at IS NULL \
+         AND o.seq <= (SELECT max(upto_seq) FROM c) AND {COVERED} ORDER BY o.seq LIMIT $2 \
+         FOR UPDATE SKIP LOCKED) RETURNING {columns}) \
+         INSERT INTO {a} ({columns}) SELECT {dated} FROM moved m",
+        old_cursors_cte(table)
+    ))
+    .bind::<diesel::sql_types::Double, _>(older_than.as_secs_f64())
+    .bind::<BigInt, _>(limit)
+    .execute(conn)
+    .await
+}
+
+/// `c`: per partition of the newest count, the last cursor recorded more than `$1` seconds ago.
+fn old_cursors_cte(table: &OutboxTable) -> String {
+    let p = progress_table(table);
+    format!(
+        "c AS MATERIALIZED (SELECT m.n AS partitions, g.p AS partition, l.upto_seq, l.snap \
+         FROM (SELECT partitions AS n FROM {p} ORDER BY id DESC LIMIT 1) m \
+         CROSS JOIN generate_series(0, m.n - 1) AS g(p) \
+         JOIN LATERAL (SELECT upto_seq, snap FROM {p} WHERE partitions = m.n AND partition = g.p \
+         AND published_at < now() - make_interval(secs => $1) ORDER BY id DESC LIMIT 1) l ON true)"
+    )
+}
+
+/// Deletes the progress rows recorded more than `older_than` ago but the last of each
+/// partition; returns how many. What they covered is older than the retention too, and
+/// deleted by [`delete_read`] first.
+pub async fn prune_progress(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    older_than: std::time::Duration,
+) -> QueryResult<usize> {
+    let p = progress_table(table);
+    diesel::sql_query(format!(
+        "DELETE FROM {p} WHERE published_at < now() - make_interval(secs => $1) \
+         AND id NOT IN (SELECT max(id) FROM {p} GROUP BY partitions, partition)"
+    ))
+    .bind::<diesel::sql_types::Double, _>(older_than.as_secs_f64())
+    .execute(conn)
+    .await
+}
