@@ -3,6 +3,8 @@
 
 use std::collections::HashSet;
 
+use diesel::pg::Pg;
+use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::sql_types::{Array, BigInt, Bool, Integer, Text};
 use diesel::{QueryResult, QueryableByName};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
@@ -82,15 +84,15 @@ pub async fn fetch_batch(
     limit: i64,
     max_bytes: i64,
 ) -> QueryResult<Batch> {
-    let sql = batch_sql(table, partition);
-    let fetched: Vec<Fetched> = diesel::sql_query(sql)
-        .bind::<BigInt, _>(cursor.upto_seq)
-        .bind::<Text, _>(&cursor.snap)
-        .bind::<BigInt, _>(limit)
-        .bind::<BigInt, _>(max_bytes)
-        .bind::<Array<BigInt>, _>(exclude)
-        .load(conn)
-        .await?;
+    let fetched: Vec<Fetched> = BatchStatement {
+        sql: batch_sql(table, partition),
+        cursor,
+        limit,
+        max_bytes,
+        exclude,
+    }
+    .load(conn)
+    .await?;
     let Some(snap) = <[Fetched]>::first(&fetched).map(|f| f.snap.clone()) else {
         return Ok(Batch {
             rows: Vec::new(),
@@ -141,6 +143,53 @@ pub async fn fetch_batch(
         next: Cursor { upto_seq, snap },
         held,
     })
+}
+
+/// [`batch_sql`] with its binds, as a statement the connection prepares once and keeps (a
+/// `sql_query` is planned again at every call, which for this statement costs more than
+/// running it on a small batch). Each `$n` of the text takes its bind where it stands, so a
+/// value used twice is bound twice.
+struct BatchStatement<'a> {
+    sql: String,
+    cursor: &'a Cursor,
+    limit: i64,
+    max_bytes: i64,
+    exclude: &'a [i64],
+}
+
+impl QueryId for BatchStatement<'_> {
+    type QueryId = ();
+    const HAS_STATIC_QUERY_ID: bool = false;
+}
+
+impl Query for BatchStatement<'_> {
+    type SqlType = diesel::sql_types::Untyped;
+}
+
+impl QueryFragment<Pg> for BatchStatement<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        let mut rest = self.sql.as_str();
+        while let Some(at) = rest.find('$') {
+            out.push_sql(&rest[..at]);
+            let n = rest[at + 1..].bytes().next();
+            match n {
+                Some(b'1') => out.push_bind_param::<BigInt, _>(&self.cursor.upto_seq)?,
+                Some(b'2') => out.push_bind_param::<Text, _>(&self.cursor.snap)?,
+                Some(b'3') => out.push_bind_param::<BigInt, _>(&self.limit)?,
+                Some(b'4') => out.push_bind_param::<BigInt, _>(&self.max_bytes)?,
+                Some(b'5') => out.push_bind_param::<Array<BigInt>, _>(self.exclude)?,
+                // a `$` of a quoted name: text
+                _ => {
+                    out.push_sql("$");
+                    rest = &rest[at + 1..];
+                    continue;
+                }
+            }
+            rest = &rest[at + 2..];
+        }
+        out.push_sql(rest);
+        Ok(())
+    }
 }
 
 /// The statement of [`fetch_batch`] for `partition` of `table`; its binds: the cursor's `seq`

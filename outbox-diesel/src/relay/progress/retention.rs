@@ -3,14 +3,16 @@
 
 use diesel::QueryResult;
 use diesel::sql_types::BigInt;
-use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 
 use crate::OutboxTable;
 
 use super::{COVERED, progress_table};
 
 /// Deletes up to `limit` rows a cursor read more than `older_than` ago (by the time of the
-/// last batch recorded before then), oldest first; returns how many. The rows marked
+/// last batch recorded before then), oldest first; returns how many. The rows are found first
+/// and deleted by `seq = ANY(…)` (primary-key lookups): with `seq IN (…)` the planner joins
+/// the whole table to them, a scan of every kept row per call. The rows marked
 /// `published_at` are [`delete_published`](crate::relay::delete_published)'s.
 pub async fn delete_read(
     conn: &mut AsyncPgConnection,
@@ -19,16 +21,35 @@ pub async fn delete_read(
     limit: i64,
 ) -> QueryResult<usize> {
     let t = table.quoted();
-    diesel::sql_query(format!(
-        "WITH {} DELETE FROM {t} WHERE seq IN (SELECT o.seq FROM {t} o \
+    let sql = format!(
+        "WITH {} DELETE FROM {t} WHERE seq = ANY(ARRAY(SELECT o.seq FROM {t} o \
          WHERE o.published_at IS NULL AND o.parked_at IS NULL \
          AND o.seq <= (SELECT max(upto_seq) FROM c) AND {COVERED} ORDER BY o.seq LIMIT $2 \
-         FOR UPDATE SKIP LOCKED)",
+         FOR UPDATE SKIP LOCKED))",
         old_cursors_cte(table)
-    ))
-    .bind::<diesel::sql_types::Double, _>(older_than.as_secs_f64())
-    .bind::<BigInt, _>(limit)
-    .execute(conn)
+    );
+    in_seq_order(conn, sql, older_than, limit).await
+}
+
+/// Runs `sql` (binds: the retention in seconds, the row limit) in a transaction whose plans
+/// read the table in `seq` order by its indexes: a session without the relay's settings
+/// (`prepare_session`) would otherwise find the oldest covered rows by a scan and sort of
+/// every kept row, at each call (the planner cannot tell how many rows the cover test keeps).
+async fn in_seq_order(
+    conn: &mut AsyncPgConnection,
+    sql: String,
+    older_than: std::time::Duration,
+    limit: i64,
+) -> QueryResult<usize> {
+    conn.transaction(async |conn| {
+        conn.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_sort = off")
+            .await?;
+        diesel::sql_query(sql)
+            .bind::<diesel::sql_types::Double, _>(older_than.as_secs_f64())
+            .bind::<BigInt, _>(limit)
+            .execute(conn)
+            .await
+    })
     .await
 }
 
@@ -52,18 +73,15 @@ pub async fn archive_read(
              AND pg_visible_in_snapshot(m.txid, p.snap) ORDER BY p.upto_seq, p.id LIMIT 1)"
         ),
     );
-    diesel::sql_query(format!(
-        "WITH {}, moved AS (DELETE FROM {t} WHERE seq IN (SELECT o.seq FROM {t} o \
+    let sql = format!(
+        "WITH {}, moved AS (DELETE FROM {t} WHERE seq = ANY(ARRAY(SELECT o.seq FROM {t} o \
          WHERE o.published_at IS NULL AND o.parked_at IS NULL \
          AND o.seq <= (SELECT max(upto_seq) FROM c) AND {COVERED} ORDER BY o.seq LIMIT $2 \
-         FOR UPDATE SKIP LOCKED) RETURNING {columns}) \
+         FOR UPDATE SKIP LOCKED)) RETURNING {columns}) \
          INSERT INTO {a} ({columns}) SELECT {dated} FROM moved m",
         old_cursors_cte(table)
-    ))
-    .bind::<diesel::sql_types::Double, _>(older_than.as_secs_f64())
-    .bind::<BigInt, _>(limit)
-    .execute(conn)
-    .await
+    );
+    in_seq_order(conn, sql, older_than, limit).await
 }
 
 /// `c`: per partition of the newest count, the last cursor recorded more than `$1` seconds ago.
