@@ -920,6 +920,50 @@ async fn a_poll_costs_the_same_whatever_number_of_rows_wait_behind_a_parked_one(
     );
 }
 
+// 10. A backlog written in a few large transactions: the statistics see few transaction ids,
+// and the batch must still find the late rows by transaction id, not by reading every
+// unpublished row and testing its id.
+#[tokio::test]
+async fn a_batch_finds_late_rows_by_transaction_id_behind_a_backlog_of_few_transactions() {
+    let db = TestDb::new();
+    let insert = |n: i64| {
+        diesel::sql_query(format!(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+             SELECT gen_random_uuid(), 'order', 'o-' || (i % 100), 'order.placed', \
+             jsonb_build_object('n', i) FROM generate_series(1, {n}) AS i"
+        ))
+        .execute(&mut db.conn())
+        .expect("insert rows");
+    };
+    // rows published long ago (marked, as by a relay of another mode), then the last ones read
+    insert(300_000);
+    db.execute(
+        "UPDATE outbox SET published_at = now() - interval '1 hour'",
+        "mark",
+    );
+    insert(500);
+    let read_upto = db.scalar("SELECT max(seq) FROM outbox");
+    insert(100_000);
+    // the relay's last batch read the first 500 rows, at a snapshot taken after the backlog
+    db.execute(
+        &format!(
+            "INSERT INTO outbox_progress (partitions, partition, upto_seq, snap) \
+             VALUES (1, 0, {read_upto}, pg_current_snapshot())"
+        ),
+        "record a cursor",
+    );
+    db.execute("VACUUM ANALYZE outbox", "analyze");
+    let plan = analyzed_poll(&db).await;
+    let text = plan.join("\n");
+    // the next rows by `outbox_ready`, the late ones by `outbox_txid`: no part reads the
+    // backlog to test its rows' ids
+    assert_eq!(text.matches("outbox_ready").count(), 1, "{text}");
+    assert!(!text.contains("Rows Removed by Filter"), "{text}");
+    let read = buffers(&plan);
+    println!("batch buffers with a 100,000-row backlog of one transaction: {read}");
+    assert!(read < 3_000, "{read} buffers:\n{text}");
+}
+
 // 10. `retry` releases the parked row and the rows held back behind it, which are published
 // in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -79,7 +79,13 @@ impl Cleanup {
             }
             if conn.is_none() {
                 conn = match connect(&cfg.database_url).await {
-                    Ok(c) => Some(c),
+                    Ok(mut c) => match db::prepare_side_session(&mut c).await {
+                        Ok(()) => Some(c),
+                        Err(e) => {
+                            debug!(error = %e, "cleanup cannot prepare its session; next round");
+                            continue;
+                        }
+                    },
                     Err(e) => {
                         debug!(error = %e, "cleanup cannot connect to PostgreSQL; next round");
                         continue;

@@ -194,6 +194,12 @@ impl QueryFragment<Pg> for BatchStatement<'_> {
 
 /// The statement of [`fetch_batch`] for `partition` of `table`; its binds: the cursor's `seq`
 /// and snapshot, the row limit, the byte budget, the released rows to leave out.
+///
+/// The late rows are looked up by transaction id alone, behind an `OFFSET 0` fence, and only
+/// then tested for being unpublished: given the test inside, the planner may read every
+/// unpublished row through `outbox_ready` and filter it by transaction id, which it prefers
+/// whenever the statistics see few distinct transaction ids (a backlog written in a few large
+/// transactions): 30 ms a batch with 100,000 rows waiting, against 1.5 ms by `outbox_txid`.
 fn batch_sql(table: &OutboxTable, partition: Partition) -> String {
     const COLUMNS: &str = "o.seq, o.id, o.aggregate_type, o.aggregate_id, o.event_type, \
                            o.payload, o.headers, o.created_at, o.attempts";
@@ -217,12 +223,14 @@ fn batch_sql(table: &OutboxTable, partition: Partition) -> String {
          FROM (SELECT {COLUMNS} FROM {t} o WHERE o.published_at IS NULL AND o.parked_at IS NULL{part} \
          AND o.seq > $1 ORDER BY o.seq LIMIT $3) o) o WHERE o.before < $4) \
          UNION ALL \
-         (SELECT {COLUMNS}, 1 FROM {t} o WHERE o.published_at IS NULL AND o.parked_at IS NULL{part} \
-         AND o.seq + 0 <= $1 AND o.txid = ANY(ARRAY(SELECT pg_snapshot_xip($2::pg_snapshot)))) \
+         (SELECT {COLUMNS}, 1 FROM (SELECT * FROM {t} o \
+         WHERE o.txid = ANY(ARRAY(SELECT pg_snapshot_xip($2::pg_snapshot))) OFFSET 0) o \
+         WHERE o.published_at IS NULL AND o.parked_at IS NULL{part} AND o.seq <= $1) \
          UNION ALL \
-         (SELECT {COLUMNS}, 1 FROM {t} o WHERE o.published_at IS NULL AND o.parked_at IS NULL{part} \
-         AND o.seq + 0 <= $1 AND o.txid >= pg_snapshot_xmax($2::pg_snapshot) \
-         AND o.txid < pg_snapshot_xmax(pg_current_snapshot())) \
+         (SELECT {COLUMNS}, 1 FROM (SELECT * FROM {t} o \
+         WHERE o.txid >= pg_snapshot_xmax($2::pg_snapshot) \
+         AND o.txid < pg_snapshot_xmax(pg_current_snapshot()) OFFSET 0) o \
+         WHERE o.published_at IS NULL AND o.parked_at IS NULL{part} AND o.seq <= $1) \
          UNION ALL \
          (SELECT {COLUMNS}, 2 FROM {t} o WHERE o.parked_at = 'infinity' AND o.published_at IS NULL{part} \
          AND o.seq <> ALL($5) ORDER BY o.seq LIMIT $3)) o"
