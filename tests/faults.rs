@@ -1168,8 +1168,14 @@ async fn paused_past_the_window(test: &str, fence: bool) -> (Report, usize) {
     .await;
     next_fault(&db, Size { faults: 2, ..size }, 1, &mut rng).await;
     proxy.hold();
-    // what A sends from now on stays in the proxy (the fault's length, not a synchronisation)
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // what A sends from now on stays in the proxy: A is paused once some of it is there (A
+    // may be between steps for a while, reading or waiting for a wake-up)
+    wait_until(
+        Duration::from_secs(10),
+        "relay A's next publishes held",
+        || async { proxy.held_publishes() > 0 },
+    )
+    .await;
     let stopped = Instant::now();
     a.procs[0].signal("STOP");
     let last = db.scalar("SELECT COALESCE(max(seq), 0) FROM outbox_record");

@@ -31,9 +31,9 @@ pub async fn prepare_session(conn: &mut AsyncPgConnection) -> QueryResult<()> {
     .await
 }
 
-/// Prepares a relay's side session (its statistics, its cleanup): JIT off. Their statements
-/// (the backlog by cursor, the cleanup of covered rows) have estimated costs far above
-/// `jit_above_cost` whatever the table holds, and compiling one took about 200 ms, against a
+/// Prepares a relay's side session (its statistics, its cleanup, `status`, `parked`, `retry`):
+/// JIT off. Their statements (the backlog by cursor, the cleanup of covered rows) have
+/// estimated costs far above `jit_above_cost` whatever the table holds, and compiling one took about 200 ms, against a
 /// few milliseconds to run it.
 pub async fn prepare_side_session(conn: &mut AsyncPgConnection) -> QueryResult<()> {
     conn.batch_execute("SET jit = off").await

@@ -313,6 +313,11 @@ async fn open(command: &str, db: &DbArgs) -> Result<AsyncPgConnection, ExitCode>
                 ),
             )
         })?;
+    // the operations' statements (the backlog by cursor, the parked rows) are estimated far
+    // above `jit_above_cost`: compiling them would take longer than running them
+    if let Err(e) = db::prepare_side_session(&mut conn).await {
+        return Err(fail(command, format!("{e}")));
+    }
     match db::table_exists(&mut conn, &db.table).await {
         Ok(true) => Ok(conn),
         Ok(false) => Err(fail(
