@@ -144,12 +144,7 @@ pub async fn start_cursor(
     let p = progress_table(table);
     let cte = cursors_cte(table);
     conn.transaction(async |conn| {
-        diesel::sql_query(format!(
-            "SELECT pg_advisory_xact_lock({PROGRESS_LOCK_KEY}, to_regclass($1)::oid::int)"
-        ))
-        .bind::<Text, _>(t.clone())
-        .execute(conn)
-        .await?;
+        lock_progress(conn, &t).await?;
         if let Some(c) = load_cursor(conn, table, partition).await? {
             // another relay of the new count moved the progress meanwhile
             return Ok(c);
@@ -208,6 +203,18 @@ pub async fn start_cursor(
         Ok(start)
     })
     .await
+}
+
+/// Takes the transaction's lock on the progress of the table `quoted` (named as SQL quotes
+/// it), which orders moving the progress to a new partition count and settling it.
+async fn lock_progress(conn: &mut AsyncPgConnection, quoted: &str) -> QueryResult<()> {
+    diesel::sql_query(format!(
+        "SELECT pg_advisory_xact_lock({PROGRESS_LOCK_KEY}, to_regclass($1)::oid::int)"
+    ))
+    .bind::<Text, _>(quoted)
+    .execute(conn)
+    .await
+    .map(drop)
 }
 
 /// Records the cursors of a batch, one row per partition; the last one of a partition is where
@@ -278,12 +285,7 @@ pub async fn settle_progress(
     let p = progress_table(table);
     let cte = cursors_cte(table);
     conn.transaction(async |conn| {
-        diesel::sql_query(format!(
-            "SELECT pg_advisory_xact_lock({PROGRESS_LOCK_KEY}, to_regclass($1)::oid::int)"
-        ))
-        .bind::<Text, _>(t.clone())
-        .execute(conn)
-        .await?;
+        lock_progress(conn, &t).await?;
         let marked = diesel::sql_query(format!(
             "WITH {cte} UPDATE {t} o SET published_at = now() \
              WHERE o.published_at IS NULL AND o.parked_at IS NULL AND {COVERED}"
