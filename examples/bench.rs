@@ -389,6 +389,14 @@ impl Bench {
                 true,
             ),
             run(
+                "ordered, 4 partitions, 1 relay",
+                Mode::Ordered,
+                4,
+                1,
+                1,
+                false,
+            ),
+            run(
                 "ordered, 4 partitions, 2 relays",
                 Mode::Ordered,
                 4,
@@ -599,10 +607,18 @@ impl Bench {
         println!("|---|---|---|---|---|");
         let logical = self.wal_level()? == "logical";
         for rate in [1000u32, 5000] {
-            for wake in [Wake::Notify, Wake::Poll, Wake::Tailing] {
+            for wake in [
+                Wake::Notify,
+                Wake::NotifyNoLinger,
+                Wake::Poll,
+                Wake::Tailing,
+            ] {
                 let how = match wake {
-                    Wake::Notify => "LISTEN/NOTIFY (debounced 10 ms) + 100 ms poll",
-                    Wake::Poll => "poll only, 100 ms",
+                    Wake::Notify => "LISTEN/NOTIFY (debounced 10 ms) + 100 ms poll, 10 ms linger",
+                    Wake::NotifyNoLinger => {
+                        "LISTEN/NOTIFY (debounced 10 ms) + 100 ms poll, --linger 0"
+                    }
+                    Wake::Poll => "poll only, 100 ms, 10 ms linger",
                     Wake::Tailing => "log tailing (the replication stream pushes each commit)",
                 };
                 if wake == Wake::Tailing && !logical {
@@ -618,7 +634,7 @@ impl Bench {
 
     async fn latency_run(&mut self, rate: u32, wake: Wake) -> Result<(f64, f64, f64)> {
         self.reset_outbox()?;
-        let listen = wake == Wake::Notify;
+        let listen = matches!(wake, Wake::Notify | Wake::NotifyNoLinger);
         let tag = format!("{wake:?}").to_lowercase();
         let name = format!("BENCH_LAT_{rate}_{tag}");
         let prefix = format!("benchlat{rate}{tag}");
@@ -636,6 +652,11 @@ impl Bench {
             .subject_prefix(prefix.clone())
             .listen(listen)
             .batch_size(self.args.batch_size);
+        let config = if wake == Wake::NotifyNoLinger {
+            config.linger(Duration::ZERO)
+        } else {
+            config
+        };
         let config = if wake == Wake::Tailing {
             config.mode(Mode::LogTailing).slot(slot.clone())
         } else {
@@ -1222,6 +1243,8 @@ impl Bench {
 enum Wake {
     /// A polling relay woken by the recording side's `NOTIFY`.
     Notify,
+    /// The same without reading again after a read that found rows (`--linger 0`).
+    NotifyNoLinger,
     /// A polling relay, polling only.
     Poll,
     /// The log-tailing relay.

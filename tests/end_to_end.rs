@@ -690,3 +690,77 @@ async fn a_table_made_before_snapshot_batches_is_upgraded_and_publishes_only_its
         "the rows the earlier relay published keep their time"
     );
 }
+
+/// A writer that notifies once a minute (so only its first commit wakes the relay), the
+/// relay polling (and balancing its partitions, which reads too) every 10 s and lingering 3 s
+/// after a read that found rows.
+async fn commits_after_a_notified_one(mode: outbox_nats::Mode) {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let outbox = Outbox::new(OutboxTable::default())
+        .notify(outbox_diesel::Notify::Debounced(Duration::from_secs(60)));
+    let mut config = config(&db, &stream)
+        .poll_interval(Duration::from_secs(10))
+        .lease(Duration::from_secs(40))
+        .linger(Duration::from_secs(3));
+    config.mode = mode;
+    config.workers = 1;
+    config.standby_interval = Duration::from_secs(10);
+    let relay = InProcessRelay::start(config, &stream).await;
+    let mut conn = db.conn();
+    let record = |conn: &mut PgConnection, n: i64| {
+        conn.transaction(|conn| {
+            conn.record_event_in(
+                &outbox,
+                &OrderPlaced {
+                    order_id: "o-1".into(),
+                    n,
+                },
+            )
+        })
+        .expect("record");
+    };
+    // notified: read at once
+    record(&mut conn, 1);
+    wait_published(&db, 1, Duration::from_secs(20)).await;
+    // within the debounce, so not notified: read by the relay's lingering reads
+    record(&mut conn, 2);
+    wait_until(
+        Duration::from_secs(5),
+        "the unnotified commit published while the relay lingers, before its next poll",
+        || async { stream.count().await == 2 },
+    )
+    .await;
+    // once the linger is over the relay waits for a NOTIFY or its poll again: an unnotified
+    // commit waits for the poll (10 s)
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    record(&mut conn, 3);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        stream.count().await,
+        2,
+        "the relay stops reading every few hundred milliseconds once the linger is over"
+    );
+    wait_until(
+        Duration::from_secs(20),
+        "the last commit published at the poll",
+        || async { stream.count().await == 3 },
+    )
+    .await;
+    relay.stop().await;
+    let got = stream.read_all().await;
+    let ns: Vec<i64> = got
+        .iter()
+        .map(|m| m.payload["n"].as_i64().unwrap_or(-1))
+        .collect();
+    assert_eq!(ns, [1, 2, 3]);
+}
+
+#[tokio::test]
+async fn ordered_relay_reads_commits_after_a_notified_one_within_its_linger() {
+    commits_after_a_notified_one(outbox_nats::Mode::Ordered).await;
+}
+
+#[tokio::test]
+async fn unordered_relay_reads_commits_after_a_notified_one_within_its_linger() {
+    commits_after_a_notified_one(outbox_nats::Mode::Unordered).await;
+}

@@ -964,6 +964,141 @@ async fn a_batch_finds_late_rows_by_transaction_id_behind_a_backlog_of_few_trans
     assert!(read < 3_000, "{read} buffers:\n{text}");
 }
 
+/// The `seq`s of `batch`'s rows from `source`.
+fn seqs_of(batch: &outbox_diesel::relay::Batch, source: outbox_diesel::relay::Source) -> Vec<i64> {
+    batch
+        .rows
+        .iter()
+        .filter(|(_, s)| *s == source)
+        .map(|(r, _)| r.seq)
+        .collect()
+}
+
+fn seqs_where(db: &TestDb, filter: &str) -> Vec<i64> {
+    #[derive(QueryableByName)]
+    struct Seq {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        seq: i64,
+    }
+    diesel::sql_query(format!(
+        "SELECT seq FROM outbox WHERE {filter} ORDER BY seq"
+    ))
+    .load::<Seq>(&mut db.conn())
+    .expect("select seqs")
+    .into_iter()
+    .map(|s| s.seq)
+    .collect()
+}
+
+// 10. A relay reads all its partitions in one statement, one walk through their rows, although
+// their cursors differ (one was just taken over): each row is returned once, to its own
+// partition, every cursor moves to the end of the walk, and a late row comes back to its own
+// partition once its transaction commits.
+#[tokio::test]
+async fn one_statement_reads_partitions_at_different_cursors_each_row_once() {
+    use outbox_diesel::relay::{Cursor, Source, fetch_batches};
+    let db = TestDb::new();
+    let insert = |n: i64| {
+        diesel::sql_query(format!(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+             SELECT gen_random_uuid(), 'order', 'o-' || (i % 10), 'order.placed', \
+             jsonb_build_object('n', i) FROM generate_series(1, {n}) AS i"
+        ))
+        .execute(&mut db.conn())
+        .expect("insert rows");
+    };
+    insert(100);
+    let table = outbox_diesel::OutboxTable::DEFAULT;
+    let mut conn = db.relay_session().await;
+    // partition 0 was read up to seq 50; partition 1 is new to this relay
+    let snap = db.scalar("SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint");
+    let read = Cursor {
+        upto_seq: 50,
+        snap: format!("{snap}:{snap}:"),
+    };
+    let first = fetch_batches(
+        &mut conn,
+        &table,
+        2,
+        &[(0, read.clone()), (1, Cursor::start())],
+        &[],
+        1_000,
+        i64::MAX,
+    )
+    .await
+    .expect("fetch");
+    assert_eq!(first.len(), 2);
+    let (p0, p1) = (&first[0], &first[1]);
+    assert_eq!((p0.0, p1.0), (0, 1));
+    assert_eq!(
+        seqs_of(&p0.1, Source::Next),
+        seqs_where(&db, "aggregate_hash % 2 = 0 AND seq > 50")
+    );
+    assert_eq!(
+        seqs_of(&p1.1, Source::Next),
+        seqs_where(&db, "aggregate_hash % 2 = 1")
+    );
+    assert!(
+        seqs_of(&p1.1, Source::Next).len() > 10,
+        "both partitions have rows"
+    );
+    assert_eq!((p0.1.next.upto_seq, p1.1.next.upto_seq), (100, 100));
+    assert_eq!(
+        p0.1.next.snap, p1.1.next.snap,
+        "one statement, one snapshot"
+    );
+
+    // a transaction held open across the next batch: its rows are late for their partition
+    let mut open = db.conn();
+    let (tx_done, tx_wait) = std::sync::mpsc::channel::<()>();
+    let (inserted, inserted_wait) = std::sync::mpsc::channel::<()>();
+    let holder = std::thread::spawn(move || {
+        open.transaction(|c| {
+            diesel::sql_query(
+                "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+                 SELECT gen_random_uuid(), 'order', 'o-' || i, 'order.placed', '{}' \
+                 FROM generate_series(1, 10) AS i",
+            )
+            .execute(c)?;
+            inserted.send(()).ok();
+            tx_wait.recv().ok();
+            Ok::<_, diesel::result::Error>(())
+        })
+        .expect("the held transaction commits");
+    });
+    inserted_wait.recv().expect("the held rows inserted");
+    insert(20);
+    let cursors: Vec<(u32, Cursor)> = first.iter().map(|(p, b)| (*p, b.next.clone())).collect();
+    let second = fetch_batches(&mut conn, &table, 2, &cursors, &[], 1_000, i64::MAX)
+        .await
+        .expect("fetch");
+    let later = seqs_where(&db, "seq > 110");
+    let got: Vec<i64> = second
+        .iter()
+        .flat_map(|(_, b)| seqs_of(b, Source::Next))
+        .collect();
+    let mut got_sorted = got.clone();
+    got_sorted.sort_unstable();
+    assert_eq!(got_sorted, later, "the committed rows after the held ones");
+    tx_done.send(()).expect("commit the held transaction");
+    holder.join().expect("the holder");
+    let cursors: Vec<(u32, Cursor)> = second.iter().map(|(p, b)| (*p, b.next.clone())).collect();
+    let third = fetch_batches(&mut conn, &table, 2, &cursors, &[], 1_000, i64::MAX)
+        .await
+        .expect("fetch");
+    for (p, batch) in &third {
+        assert_eq!(seqs_of(batch, Source::Next), Vec::<i64>::new());
+        assert_eq!(
+            seqs_of(batch, Source::Late),
+            seqs_where(
+                &db,
+                &format!("seq > 100 AND seq <= 110 AND aggregate_hash % 2 = {p}")
+            ),
+            "partition {p}: the held rows, late, once"
+        );
+    }
+}
+
 // 10. `retry` releases the parked row and the rows held back behind it, which are published
 // in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -169,6 +169,12 @@ pub struct RelayArgs {
     /// How often an idle relay polls (`250ms`, `5s`).
     #[arg(long, env = "OUTBOX_POLL_INTERVAL", default_value = "100ms", value_parser = humantime::parse_duration)]
     pub poll_interval: Duration,
+    /// After a read that found rows, keep reading every fifth of this long instead of
+    /// waiting for a NOTIFY (`0` turns it off): commits that the writers' debounced NOTIFY
+    /// did not announce are published within milliseconds. Set it to the writers' debounce
+    /// interval (`Notify::Debounced`, 10 ms by default).
+    #[arg(long, env = "OUTBOX_LINGER", default_value = "10ms", value_parser = humantime::parse_duration)]
+    pub linger: Duration,
     /// Do not LISTEN for the recording side's NOTIFY; poll only.
     #[arg(long, env = "OUTBOX_NO_LISTEN")]
     pub no_listen: bool,
@@ -217,6 +223,7 @@ impl RelayArgs {
             .partitions(self.partitions)
             .batch_size(self.batch_size)
             .poll_interval(self.poll_interval)
+            .linger(self.linger)
             .duplicate_window(self.duplicate_window)
             .stream_replicas(self.stream_replicas)
             .listen(!self.no_listen)

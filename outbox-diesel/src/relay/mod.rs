@@ -9,7 +9,7 @@
 //! - `session`: what the relay sets on its sessions ([`prepare_session`], [`set_lease_timeouts`]),
 //!   its keep-alive, `LISTEN` and pid;
 //! - `poll`: the fetches in `seq` order (unordered mode, and what other transports reuse);
-//! - `progress`: the ordered relay's snapshot batches: [`fetch_batch`], its [`Cursor`]s and
+//! - `progress`: the ordered relay's snapshot batches: [`fetch_batches`], its [`Cursor`]s and
 //!   their record, and what cleanup and `retry` need of them;
 //! - `marks`: the outcome of a publish ([`mark_published`], [`delete_acked`],
 //!   [`record_failure`]);

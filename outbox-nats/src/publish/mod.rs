@@ -4,6 +4,7 @@
 //! again.
 
 pub mod fence;
+mod outcome;
 pub(crate) mod pipeline;
 pub mod reconcile;
 pub mod subject;

@@ -88,6 +88,13 @@ pub struct RelayConfig {
     pub max_batch_bytes: usize,
     /// How often an idle relay polls (default 100 ms); `NOTIFY` wakes it sooner.
     pub poll_interval: Duration,
+    /// How long a polling relay keeps reading after a read that found rows, every fifth of
+    /// it, instead of waiting for the next `NOTIFY` (default 10 ms, the recording side's
+    /// default [`Notify::Debounced`](outbox_diesel::Notify::Debounced) interval; zero turns
+    /// it off). A debounced writer notifies the first commit of each interval only; the
+    /// commits after it are found by these reads within 2 ms instead of by the next
+    /// notified commit or poll. Set it to the writers' debounce interval.
+    pub linger: Duration,
     /// Whether to `LISTEN` for the recording side's `NOTIFY` (default on).
     pub listen: bool,
     /// The duplicate window of a stream the relay creates (default 2 minutes).
@@ -170,6 +177,7 @@ impl std::fmt::Debug for RelayConfig {
             .field("batch_size", &self.batch_size)
             .field("max_in_flight", &self.max_in_flight)
             .field("poll_interval", &self.poll_interval)
+            .field("linger", &self.linger)
             .field("listen", &self.listen)
             .field("duplicate_window", &self.duplicate_window)
             .field("standby_interval", &self.standby_interval)
@@ -211,6 +219,7 @@ impl RelayConfig {
             max_in_flight: 512,
             max_batch_bytes: 8 << 20,
             poll_interval: Duration::from_millis(100),
+            linger: Duration::from_millis(10),
             listen: true,
             duplicate_window: Duration::from_secs(120),
             stream_replicas: 1,
@@ -395,6 +404,12 @@ impl RelayConfig {
     /// Sets [`RelayConfig::poll_interval`].
     pub fn poll_interval(mut self, d: Duration) -> Self {
         self.poll_interval = d;
+        self
+    }
+
+    /// Sets [`RelayConfig::linger`].
+    pub fn linger(mut self, d: Duration) -> Self {
+        self.linger = d;
         self
     }
 

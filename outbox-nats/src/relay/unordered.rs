@@ -61,6 +61,8 @@ impl Unordered {
             db::listen(conn, &cfg.table).await?;
         }
         let mut average_payload = 0;
+        // the last batch published: commits right after it may not have been notified
+        let mut found = None;
         while !self.shutdown.is_cancelled() {
             let (js, shutdown, lease, health) = (&self.js, &self.shutdown, &lease, &*self.health);
             let reconciler = &*self.reconciler;
@@ -113,10 +115,14 @@ impl Unordered {
                         cfg,
                         &self.shutdown,
                         Instant::now() + cfg.poll_interval,
+                        found,
                     )
                     .await
                 }
-                Some(BatchEnd::Done) => backoff.reset(),
+                Some(BatchEnd::Done) => {
+                    backoff.reset();
+                    found = Some(Instant::now());
+                }
                 Some(end) => {
                     if !settle(conn, cfg, end, backoff, &self.shutdown).await? {
                         break;

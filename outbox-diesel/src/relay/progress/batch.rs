@@ -60,21 +60,19 @@ struct Fetched {
     /// 0 next, 1 late, 2 released
     #[diesel(sql_type = Integer)]
     part: i32,
-    /// 0: no earlier row of the aggregate is parked, held or released; 1: one is parked or
-    /// held; 2: only released ones
+    /// The row's partition (`aggregate_hash % count`).
+    #[diesel(sql_type = Integer)]
+    p: i32,
+    /// -1: a next row its partition's cursor had read already (it only tells how far the
+    /// walk went); 0: no earlier row of the aggregate is parked, held or released; 1: one is
+    /// parked or held; 2: only released ones
     #[diesel(sql_type = Integer)]
     behind: i32,
     #[diesel(sql_type = Text)]
     snap: String,
 }
 
-/// Reads the next batch of `partition` after `cursor`: up to `limit` rows after it (and while
-/// their payloads stay under `max_bytes`, the first always), every late row, and up to
-/// `limit` released rows other than `exclude` (those the caller holds). Rows of an aggregate
-/// with an earlier parked or held row are set aside (`parked_at = '-infinity'`), rows of an
-/// aggregate whose earlier rows were released join them (`'infinity'`): neither is returned.
-/// Traced as the span `outbox.claim`.
-#[tracing::instrument(name = "outbox.claim", level = "debug", skip_all, fields(outbox.table = %table, outbox.partition = partition.index))]
+/// Reads the next batch of `partition` after `cursor`: [`fetch_batches`] for one partition.
 pub async fn fetch_batch(
     conn: &mut AsyncPgConnection,
     table: &OutboxTable,
@@ -84,29 +82,81 @@ pub async fn fetch_batch(
     limit: i64,
     max_bytes: i64,
 ) -> QueryResult<Batch> {
+    let mut batches = fetch_batches(
+        conn,
+        table,
+        partition.count,
+        &[(partition.index, cursor.clone())],
+        exclude,
+        limit,
+        max_bytes,
+    )
+    .await?;
+    Ok(batches.pop().map(|(_, b)| b).unwrap_or(Batch {
+        rows: Vec::new(),
+        next: cursor.clone(),
+        held: 0,
+    }))
+}
+
+/// Reads the next batch of each of `cursors`' partitions (of `count`) in one statement: up
+/// to `limit` rows after the lowest cursor in one walk through those partitions (and while
+/// their payloads stay under `max_bytes`, the first always), every late row of each, and up to
+/// `limit` released rows other than `exclude` (those the caller holds). Returns a batch per
+/// partition, in the order of `cursors`.
+///
+/// Rows of an aggregate with an earlier parked or held row are set aside (`parked_at =
+/// '-infinity'`), rows of an aggregate whose earlier rows were released join them
+/// (`'infinity'`): neither is returned. Each partition's cursor moves to the end of the walk:
+/// the walk read every row of every one of them up to there. Traced as the span
+/// `outbox.claim`.
+#[tracing::instrument(name = "outbox.claim", level = "debug", skip_all, fields(outbox.table = %table, outbox.partitions = cursors.len()))]
+pub async fn fetch_batches(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    count: u32,
+    cursors: &[(u32, Cursor)],
+    exclude: &[i64],
+    limit: i64,
+    max_bytes: i64,
+) -> QueryResult<Vec<(u32, Batch)>> {
+    if cursors.is_empty() {
+        return Ok(Vec::new());
+    }
+    let indexes: Vec<i32> = cursors.iter().map(|(p, _)| *p as i32).collect();
+    let uptos: Vec<i64> = cursors.iter().map(|(_, c)| c.upto_seq).collect();
+    let snaps: Vec<&str> = cursors.iter().map(|(_, c)| c.snap.as_str()).collect();
     let fetched: Vec<Fetched> = BatchStatement {
-        sql: batch_sql(table, partition),
-        cursor,
+        sql: batch_sql(table, count, cursors.len() < count as usize),
+        indexes: &indexes,
+        uptos: &uptos,
+        snaps: &snaps,
         limit,
         max_bytes,
         exclude,
+        from: uptos.iter().copied().min().unwrap_or(0),
     }
     .load(conn)
     .await?;
     let Some(snap) = <[Fetched]>::first(&fetched).map(|f| f.snap.clone()) else {
-        return Ok(Batch {
-            rows: Vec::new(),
-            next: cursor.clone(),
-            held: 0,
-        });
+        return Ok(cursors
+            .iter()
+            .map(|(p, c)| {
+                let batch = Batch {
+                    rows: Vec::new(),
+                    next: c.clone(),
+                    held: 0,
+                };
+                (*p, batch)
+            })
+            .collect());
     };
-    let upto_seq = fetched
+    // how far the walk went: every row of these partitions up to there that `snap` sees
+    let walked = fetched
         .iter()
         .filter(|f| f.part == 0)
         .map(|f| f.event.seq)
-        .max()
-        .unwrap_or(cursor.upto_seq)
-        .max(cursor.upto_seq);
+        .max();
     // rows behind a parked, held or released row of their aggregate: decided again under the
     // lock that orders holding and retrying
     let behind: Vec<i64> = fetched
@@ -124,25 +174,43 @@ pub async fn fetch_batch(
         .filter(|s| s.held || s.joined)
         .map(|s| s.seq)
         .collect();
-    let mut rows: Vec<(OutboxRow, Source)> = fetched
-        .into_iter()
-        .filter(|f| !aside.contains(&f.event.seq))
-        .map(|f| {
-            let source = match f.part {
-                0 => Source::Next,
-                1 => Source::Late,
-                _ => Source::Released,
+    let held: HashSet<i64> = set_aside.iter().filter(|s| s.held).map(|s| s.seq).collect();
+    let mut batches: Vec<(u32, Batch)> = cursors
+        .iter()
+        .map(|(p, c)| {
+            let batch = Batch {
+                rows: Vec::new(),
+                next: Cursor {
+                    upto_seq: walked.unwrap_or(c.upto_seq).max(c.upto_seq),
+                    snap: snap.clone(),
+                },
+                held: 0,
             };
-            (f.event, source)
+            (*p, batch)
         })
         .collect();
-    rows.sort_by_key(|(r, _)| r.seq);
-    let held = set_aside.iter().filter(|s| s.held).count();
-    Ok(Batch {
-        rows,
-        next: Cursor { upto_seq, snap },
-        held,
-    })
+    for f in fetched {
+        if f.behind < 0 {
+            continue;
+        }
+        let Some((_, batch)) = batches.iter_mut().find(|(p, _)| *p as i32 == f.p) else {
+            continue;
+        };
+        if aside.contains(&f.event.seq) {
+            batch.held += usize::from(held.contains(&f.event.seq));
+            continue;
+        }
+        let source = match f.part {
+            0 => Source::Next,
+            1 => Source::Late,
+            _ => Source::Released,
+        };
+        batch.rows.push((f.event, source));
+    }
+    for (_, batch) in &mut batches {
+        batch.rows.sort_by_key(|(r, _)| r.seq);
+    }
+    Ok(batches)
 }
 
 /// [`batch_sql`] with its binds, as a statement the connection prepares once and keeps (a
@@ -151,10 +219,14 @@ pub async fn fetch_batch(
 /// value used twice is bound twice.
 struct BatchStatement<'a> {
     sql: String,
-    cursor: &'a Cursor,
+    indexes: &'a [i32],
+    uptos: &'a [i64],
+    snaps: &'a [&'a str],
     limit: i64,
     max_bytes: i64,
     exclude: &'a [i64],
+    /// The lowest cursor's `seq`, where the walk starts.
+    from: i64,
 }
 
 impl QueryId for BatchStatement<'_> {
@@ -173,11 +245,13 @@ impl QueryFragment<Pg> for BatchStatement<'_> {
             out.push_sql(&rest[..at]);
             let n = rest[at + 1..].bytes().next();
             match n {
-                Some(b'1') => out.push_bind_param::<BigInt, _>(&self.cursor.upto_seq)?,
-                Some(b'2') => out.push_bind_param::<Text, _>(&self.cursor.snap)?,
-                Some(b'3') => out.push_bind_param::<BigInt, _>(&self.limit)?,
-                Some(b'4') => out.push_bind_param::<BigInt, _>(&self.max_bytes)?,
-                Some(b'5') => out.push_bind_param::<Array<BigInt>, _>(self.exclude)?,
+                Some(b'1') => out.push_bind_param::<Array<Integer>, _>(self.indexes)?,
+                Some(b'2') => out.push_bind_param::<Array<BigInt>, _>(self.uptos)?,
+                Some(b'3') => out.push_bind_param::<Array<Text>, _>(self.snaps)?,
+                Some(b'4') => out.push_bind_param::<BigInt, _>(&self.limit)?,
+                Some(b'5') => out.push_bind_param::<BigInt, _>(&self.max_bytes)?,
+                Some(b'6') => out.push_bind_param::<Array<BigInt>, _>(self.exclude)?,
+                Some(b'7') => out.push_bind_param::<BigInt, _>(&self.from)?,
                 // a `$` of a quoted name: text
                 _ => {
                     out.push_sql("$");
@@ -192,48 +266,66 @@ impl QueryFragment<Pg> for BatchStatement<'_> {
     }
 }
 
-/// The statement of [`fetch_batch`] for `partition` of `table`; its binds: the cursor's `seq`
-/// and snapshot, the row limit, the byte budget, the released rows to leave out.
+/// The statement of [`fetch_batches`] for partitions of `count` of `table`, `some` when the
+/// relay reads only some of them; its binds: the partitions, their cursors' `seq`s and
+/// snapshots, the row limit, the byte budget, the released rows to leave out, the lowest
+/// cursor's `seq` (a bind, not a subquery, so that the planner sees where the walk starts).
+///
+/// The next rows are one walk through the partitions' rows after the lowest cursor; a row at
+/// or below its own partition's cursor (read before: cursors differ after a partition is
+/// taken over) comes back marked `behind = -1` and only tells how far the walk went.
 ///
 /// The late rows are looked up by transaction id alone, behind an `OFFSET 0` fence, and only
 /// then tested for being unpublished: given the test inside, the planner may read every
 /// unpublished row through `outbox_ready` and filter it by transaction id, which it prefers
 /// whenever the statistics see few distinct transaction ids (a backlog written in a few large
 /// transactions): 30 ms a batch with 100,000 rows waiting, against 1.5 ms by `outbox_txid`.
-fn batch_sql(table: &OutboxTable, partition: Partition) -> String {
+/// A row is late for its partition when that cursor's snapshot had its transaction in
+/// progress (`xip`, below `xmax`) or not begun (at or above `xmax`): two disjoint parts.
+fn batch_sql(table: &OutboxTable, count: u32, some: bool) -> String {
     const COLUMNS: &str = "o.seq, o.id, o.aggregate_type, o.aggregate_id, o.event_type, \
                            o.payload, o.headers, o.created_at, o.attempts";
     let t = table.quoted();
-    let part = if partition.count > 1 {
-        // the count is a literal: each partition count gets its own cached plan
-        format!(
-            " AND o.aggregate_hash % {} = {}",
-            partition.count, partition.index
-        )
+    // the count is a literal: each partition count gets its own cached plan
+    let p = if count > 1 {
+        format!("(o.aggregate_hash % {count})::int4")
+    } else {
+        "0".to_owned()
+    };
+    let part = if some {
+        format!(" AND {p} = ANY($1)")
     } else {
         String::new()
     };
     let behind = behind_sql(table);
     format!(
-        "WITH cur AS MATERIALIZED (SELECT pg_current_snapshot() AS s) \
-         SELECT {COLUMNS}, o.part, {behind} AS behind, \
-         (SELECT s::text FROM cur) AS snap FROM ( \
-         (SELECT {COLUMNS}, 0 AS part FROM (SELECT {COLUMNS}, COALESCE(sum(octet_length(o.payload::text)) \
+        "WITH cur AS MATERIALIZED (SELECT pg_current_snapshot() AS s), \
+         c AS MATERIALIZED (SELECT c.p, c.upto, c.snap::pg_snapshot AS snap \
+         FROM unnest($1::int4[], $2::int8[], $3::text[]) AS c(p, upto, snap)) \
+         SELECT {COLUMNS}, o.part, o.p, CASE WHEN o.part = 0 AND o.seq <= c.upto THEN -1 \
+         ELSE {behind} END AS behind, (SELECT s::text FROM cur) AS snap FROM ( \
+         (SELECT {COLUMNS}, 0 AS part, o.p FROM (SELECT {COLUMNS}, o.p, \
+         COALESCE(sum(octet_length(o.payload::text)) \
          OVER (ORDER BY o.seq ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before \
-         FROM (SELECT {COLUMNS} FROM {t} o WHERE o.published_at IS NULL AND o.parked_at IS NULL{part} \
-         AND o.seq > $1 ORDER BY o.seq LIMIT $3) o) o WHERE o.before < $4) \
+         FROM (SELECT {COLUMNS}, {p} AS p FROM {t} o WHERE o.published_at IS NULL \
+         AND o.parked_at IS NULL{part} AND o.seq > $7 \
+         ORDER BY o.seq LIMIT $4) o) o WHERE o.before < $5) \
          UNION ALL \
-         (SELECT {COLUMNS}, 1 FROM (SELECT * FROM {t} o \
-         WHERE o.txid = ANY(ARRAY(SELECT pg_snapshot_xip($2::pg_snapshot))) OFFSET 0) o \
-         WHERE o.published_at IS NULL AND o.parked_at IS NULL{part} AND o.seq <= $1) \
+         (SELECT {COLUMNS}, 1, c.p FROM (SELECT * FROM {t} o \
+         WHERE o.txid = ANY(ARRAY(SELECT pg_snapshot_xip(c.snap) FROM c)) OFFSET 0) o \
+         JOIN c ON c.p = {p} WHERE o.published_at IS NULL AND o.parked_at IS NULL \
+         AND o.seq <= c.upto AND o.txid < pg_snapshot_xmax(c.snap) \
+         AND NOT pg_visible_in_snapshot(o.txid, c.snap)) \
          UNION ALL \
-         (SELECT {COLUMNS}, 1 FROM (SELECT * FROM {t} o \
-         WHERE o.txid >= pg_snapshot_xmax($2::pg_snapshot) \
+         (SELECT {COLUMNS}, 1, c.p FROM (SELECT * FROM {t} o \
+         WHERE o.txid >= (SELECT min(pg_snapshot_xmax(c.snap)) FROM c) \
          AND o.txid < pg_snapshot_xmax(pg_current_snapshot()) OFFSET 0) o \
-         WHERE o.published_at IS NULL AND o.parked_at IS NULL{part} AND o.seq <= $1) \
+         JOIN c ON c.p = {p} WHERE o.published_at IS NULL AND o.parked_at IS NULL \
+         AND o.seq <= c.upto AND o.txid >= pg_snapshot_xmax(c.snap)) \
          UNION ALL \
-         (SELECT {COLUMNS}, 2 FROM {t} o WHERE o.parked_at = 'infinity' AND o.published_at IS NULL{part} \
-         AND o.seq <> ALL($5) ORDER BY o.seq LIMIT $3)) o"
+         (SELECT {COLUMNS}, 2, {p} FROM {t} o WHERE o.parked_at = 'infinity' \
+         AND o.published_at IS NULL{part} AND o.seq <> ALL($6) ORDER BY o.seq LIMIT $4)) o \
+         LEFT JOIN c ON c.p = o.p"
     )
 }
 
@@ -253,13 +345,15 @@ pub async fn explain_batch_analyze(
     }
     let lines: Vec<PlanLine> = diesel::sql_query(format!(
         "EXPLAIN (ANALYZE, BUFFERS) {}",
-        batch_sql(table, partition)
+        batch_sql(table, partition.count, partition.count > 1)
     ))
-    .bind::<BigInt, _>(cursor.upto_seq)
-    .bind::<Text, _>(&cursor.snap)
+    .bind::<Array<Integer>, _>(vec![partition.index as i32])
+    .bind::<Array<BigInt>, _>(vec![cursor.upto_seq])
+    .bind::<Array<Text>, _>(vec![cursor.snap.clone()])
     .bind::<BigInt, _>(limit)
     .bind::<BigInt, _>(i64::MAX)
     .bind::<Array<BigInt>, _>(Vec::<i64>::new())
+    .bind::<BigInt, _>(cursor.upto_seq)
     .load(conn)
     .await?;
     Ok(lines.into_iter().map(|l| l.line).collect())

@@ -3,11 +3,12 @@
 //! publishes its rows in `seq` order.
 //!
 //! One session per process holds the process's membership lock and its partition locks, and
-//! reads every partition it owns (one query per partition and step), so that losing the
-//! session loses every lease at once. Every `balance_interval` a relay counts the live relays of the table in
-//! `pg_locks`, keeps its share of the partitions (N / relays, the oldest relays one more when
-//! it does not divide), releases the extra ones once the acks in flight have arrived and are
-//! recorded, and takes free ones. A relay that starts with another partition count than
+//! reads every partition it owns (one statement per step for all of them: one walk through
+//! their rows), so that losing the session loses every lease at once. Every
+//! `balance_interval` a relay counts the live relays of the table in `pg_locks`, keeps its
+//! share of the partitions (N / relays, the oldest relays one more when it does not divide),
+//! releases the extra ones once the acks in flight have arrived and are recorded, and takes
+//! free ones. A relay that starts with another partition count than
 //! an older running one waits until that one is gone: two partition counts at once would let
 //! two relays publish one aggregate.
 //!
@@ -109,6 +110,8 @@ impl Ordered {
         let mut next_balance = Instant::now();
         let mut warned_conflict = false;
         let mut average_payload = 0;
+        // the last read that found rows: commits right after it may not have been notified
+        let mut found = None;
         let mut lookups = self.reconciler.lookups();
         let mut holding = Holding {
             pipe: Pipeline::new(&self.js, cfg, &lease, &self.health, &self.shutdown),
@@ -150,29 +153,45 @@ impl Ordered {
                 outbox.partitions = owned.len()
             );
             let limit = cfg.rows_for(average_payload);
-            // the byte budget is shared by the partitions read in one step
-            let max_bytes = (cfg.max_batch_bytes / owned.len().max(1)).max(1) as i64;
+            let max_bytes = cfg.max_batch_bytes as i64;
             let queries = async {
                 let started = Instant::now();
                 let recorded = progress.record(conn, cfg, false).await?;
+                // one statement for every partition owned: one walk through their rows
+                let cursors: Vec<(u32, db::Cursor)> = owned
+                    .iter()
+                    .map(|&p| {
+                        let partition = Partition {
+                            index: p,
+                            count: cfg.partitions,
+                        };
+                        (p, progress.read_cursor(partition))
+                    })
+                    .collect();
+                let exclude = progress.released_in_flight();
+                let batches = db::fetch_batches(
+                    conn,
+                    table,
+                    cfg.partitions,
+                    &cursors,
+                    &exclude,
+                    limit,
+                    max_bytes,
+                )
+                .await?;
                 let mut fetched = Vec::new();
-                for &p in owned.iter() {
+                for ((p, batch), (_, cursor)) in batches.into_iter().zip(cursors) {
+                    if batch.held > 0 {
+                        debug!(
+                            held = batch.held,
+                            partition = p,
+                            "rows held back behind a parked row of their aggregate"
+                        );
+                    }
                     let partition = Partition {
                         index: p,
                         count: cfg.partitions,
                     };
-                    let exclude = progress.released_in_flight();
-                    let cursor = progress.read_cursor(partition);
-                    let batch = db::fetch_batch(
-                        conn, table, partition, &cursor, &exclude, limit, max_bytes,
-                    )
-                    .await?;
-                    if batch.held > 0 {
-                        debug!(
-                            held = batch.held,
-                            "rows held back behind a parked row of their aggregate"
-                        );
-                    }
                     fetched.extend(progress.read(partition, cursor, batch));
                 }
                 lease.confirm(started);
@@ -184,6 +203,7 @@ impl Ordered {
             if !fetched.is_empty() {
                 metrics::histogram!(m::BATCH_ROWS).record(fetched.len() as f64);
                 average_payload = average_payload_len(&fetched);
+                found = Some(Instant::now());
             }
             if pipe.stopped() || self.shutdown.is_cancelled() {
                 // a failed publish, a lease in doubt, or shutdown: nothing more is sent; what
@@ -219,7 +239,7 @@ impl Ordered {
             if queue.is_empty() {
                 if pipe.is_empty() && progress.is_settled() {
                     self.health.progressed();
-                    idle(conn, cfg, &self.shutdown, next_balance).await;
+                    idle(conn, cfg, &self.shutdown, next_balance, found).await;
                 } else {
                     // caught up: let the last acks arrive, record them on the next step
                     pipe.drain().await;
