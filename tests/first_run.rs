@@ -248,3 +248,46 @@ fn logs_on_a_terminal_are_coloured_unless_no_color_is_set() {
     assert!(plain.contains("NATS"), "{plain:?}");
     assert!(!plain.contains("\u{1b}["), "NO_COLOR: {plain:?}");
 }
+
+/// Replicas of a service starting together, each running the migrations (or making its
+/// outbox table) at start: every one succeeds, and the table is made once.
+#[test]
+fn replicas_starting_together_migrate_the_outbox_once_and_all_succeed() {
+    const REPLICAS: usize = 6;
+    for round in 0..3 {
+        let db = TestDb::empty();
+        let table: outbox_diesel::OutboxTable = "billing_events".parse().expect("a valid name");
+        let start = std::sync::Arc::new(std::sync::Barrier::new(REPLICAS));
+        let replicas: Vec<_> = (0..REPLICAS)
+            .map(|i| {
+                let (url, start, table) = (db.url.clone(), start.clone(), table.clone());
+                std::thread::spawn(move || -> Result<(), String> {
+                    use diesel::Connection;
+                    let mut conn =
+                        diesel::PgConnection::establish(&url).map_err(|e| e.to_string())?;
+                    start.wait();
+                    if i % 2 == 0 {
+                        outbox_diesel::run_migrations(&mut conn)
+                            .map(drop)
+                            .map_err(|e| format!("run_migrations: {e}"))
+                    } else {
+                        outbox_diesel::create_table(&mut conn, &table)
+                            .map_err(|e| format!("create_table: {e}"))
+                    }
+                })
+            })
+            .collect();
+        let failures: Vec<String> = replicas
+            .into_iter()
+            .filter_map(|r| r.join().expect("a replica thread").err())
+            .collect();
+        assert!(failures.is_empty(), "round {round}: {failures:?}");
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM __diesel_schema_migrations"),
+            4,
+            "each migration recorded once"
+        );
+        assert_eq!(db.scalar("SELECT count(*) FROM outbox"), 0);
+        assert_eq!(db.scalar("SELECT count(*) FROM billing_events"), 0);
+    }
+}

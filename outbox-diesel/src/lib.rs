@@ -83,7 +83,7 @@ pub use record::{DEFAULT_MAX_PAYLOAD, InvalidEvent, Notify, Outbox, OutboxExt};
 pub use record_async::AsyncOutboxExt;
 #[cfg(feature = "migrations")]
 pub use schema::{MIGRATIONS, run_migrations};
-pub use schema::{create_table, create_table_sql};
+pub use schema::{SCHEMA_LOCK_KEY, create_table, create_table_sql};
 pub use table::{InvalidTableName, OutboxTable};
 pub use wire::{jsonb_text, message_size};
 

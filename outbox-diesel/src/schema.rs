@@ -73,13 +73,22 @@ const SNAPSHOT_SQL: &str = include_str!("../migrations/2026-12-05-000000_snapsho
 /// Applies the outbox's pending migrations (creating the tables `outbox` and
 /// `processed_messages`).
 ///
-/// Returns the versions it applied; none when the table is up to date.
+/// Returns the versions it applied; none when the table is up to date. Processes that run it
+/// at once (replicas of a service starting together) take turns under an advisory lock
+/// ([`SCHEMA_LOCK_KEY`]): the first applies the migrations, the others find them applied.
 #[cfg(feature = "migrations")]
 pub fn run_migrations(
     conn: &mut PgConnection,
 ) -> Result<Vec<String>, Box<dyn std::error::Error + Send + Sync>> {
-    let applied = conn.run_pending_migrations(MIGRATIONS)?;
-    Ok(applied.into_iter().map(|v| v.to_string()).collect())
+    diesel::sql_query(format!("SELECT pg_advisory_lock({SCHEMA_LOCK_KEY}, 0)")).execute(conn)?;
+    let applied: Result<Vec<String>, _> = conn
+        .run_pending_migrations(MIGRATIONS)
+        .map(|versions| versions.into_iter().map(|v| v.to_string()).collect());
+    let unlocked =
+        diesel::sql_query(format!("SELECT pg_advisory_unlock({SCHEMA_LOCK_KEY}, 0)")).execute(conn);
+    let applied = applied?;
+    unlocked?;
+    Ok(applied)
 }
 
 /// The DDL of an outbox table named `table`: the same table, indexes and settings as the
@@ -170,8 +179,25 @@ fn quote_object_names(line: &str, prefix: &str) -> String {
 
 /// Creates the outbox table `table` (and its indexes) when it does not exist yet, in one
 /// transaction; adds the poll's index `{name}_ready` to a table made by an earlier version.
-/// For the default name prefer [`MIGRATIONS`], which Diesel tracks.
+/// For the default name prefer [`MIGRATIONS`], which Diesel tracks. Processes that call it at
+/// once take turns under an advisory lock ([`SCHEMA_LOCK_KEY`]).
 pub fn create_table(conn: &mut PgConnection, table: &OutboxTable) -> diesel::QueryResult<()> {
+    // replicas of a service starting together: one makes the table, the others then find it
+    conn.transaction(|conn| {
+        diesel::sql_query(format!(
+            "SELECT pg_advisory_xact_lock({SCHEMA_LOCK_KEY}, 0)"
+        ))
+        .execute(conn)?;
+        create_table_locked(conn, table)
+    })
+}
+
+/// The first key of the advisory lock under which [`run_migrations`] and [`create_table`]
+/// change the schema (the second is 0), so that processes starting together take turns:
+/// `'OBSC'` in ASCII.
+pub const SCHEMA_LOCK_KEY: i32 = 0x4F42_5343;
+
+fn create_table_locked(conn: &mut PgConnection, table: &OutboxTable) -> diesel::QueryResult<()> {
     let exists: bool = diesel::select(
         diesel::dsl::sql::<diesel::sql_types::Bool>("to_regclass(")
             .bind::<diesel::sql_types::Text, _>(table.quoted())

@@ -57,6 +57,19 @@ impl TestDb {
 
     /// A database on the server at `base` (`postgres://user@host:port`).
     pub fn on(base: &str) -> Self {
+        let db = Self::empty_on(base);
+        let mut conn = db.conn();
+        outbox_diesel::run_migrations(&mut conn).expect("migrate the outbox");
+        db
+    }
+
+    /// A database of its own with nothing in it: no outbox, no migration run.
+    #[allow(dead_code)]
+    pub fn empty() -> Self {
+        Self::empty_on(&pg_base())
+    }
+
+    fn empty_on(base: &str) -> Self {
         let name = unique("outbox_t_");
         let admin_url = format!("{base}/postgres");
         let mut admin = PgConnection::establish(&admin_url)
@@ -65,14 +78,11 @@ impl TestDb {
             .execute(&mut admin)
             .expect("create the test database");
         let url = format!("{base}/{name}");
-        let db = TestDb {
+        TestDb {
             name,
             url,
             admin_url,
-        };
-        let mut conn = db.conn();
-        outbox_diesel::run_migrations(&mut conn).expect("migrate the outbox");
-        db
+        }
     }
 
     /// The URL of the server's `postgres` database.
