@@ -31,6 +31,18 @@ fn insert_rows(db: &TestDb, n: i64) {
     .expect("insert rows");
 }
 
+/// Inserts `n` rows over `aggregates` aggregates (`o-0`, `o-1`, ...) with plain SQL, in one
+/// statement.
+fn insert_rows_over(db: &TestDb, n: i64, aggregates: i64) {
+    diesel::sql_query(format!(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), 'order', 'o-' || (i % {aggregates}), 'order.placed', \
+         jsonb_build_object('n', i) FROM generate_series(1, {n}) AS i"
+    ))
+    .execute(&mut db.conn())
+    .expect("insert rows");
+}
+
 fn unpublished(db: &TestDb) -> i64 {
     db.scalar("SELECT count(*) FROM outbox_audit WHERE published_at IS NULL")
 }
@@ -926,15 +938,7 @@ async fn a_poll_costs_the_same_whatever_number_of_rows_wait_behind_a_parked_one(
 #[tokio::test]
 async fn a_batch_finds_late_rows_by_transaction_id_behind_a_backlog_of_few_transactions() {
     let db = TestDb::new();
-    let insert = |n: i64| {
-        diesel::sql_query(format!(
-            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
-             SELECT gen_random_uuid(), 'order', 'o-' || (i % 100), 'order.placed', \
-             jsonb_build_object('n', i) FROM generate_series(1, {n}) AS i"
-        ))
-        .execute(&mut db.conn())
-        .expect("insert rows");
-    };
+    let insert = |n: i64| insert_rows_over(&db, n, 100);
     // rows published long ago (marked, as by a relay of another mode), then the last ones read
     insert(300_000);
     db.execute(
@@ -998,15 +1002,7 @@ fn seqs_where(db: &TestDb, filter: &str) -> Vec<i64> {
 async fn one_statement_reads_partitions_at_different_cursors_each_row_once() {
     use outbox_diesel::relay::{Cursor, Source, fetch_batches};
     let db = TestDb::new();
-    let insert = |n: i64| {
-        diesel::sql_query(format!(
-            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
-             SELECT gen_random_uuid(), 'order', 'o-' || (i % 10), 'order.placed', \
-             jsonb_build_object('n', i) FROM generate_series(1, {n}) AS i"
-        ))
-        .execute(&mut db.conn())
-        .expect("insert rows");
-    };
+    let insert = |n: i64| insert_rows_over(&db, n, 10);
     insert(100);
     let table = outbox_diesel::OutboxTable::DEFAULT;
     let mut conn = db.relay_session().await;
