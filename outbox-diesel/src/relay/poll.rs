@@ -256,6 +256,33 @@ pub async fn claim_unpublished(
     .await
 }
 
+/// A line of an `EXPLAIN`'s output.
+#[derive(QueryableByName)]
+pub(crate) struct PlanLine {
+    #[diesel(sql_type = Text, column_name = "QUERY PLAN")]
+    pub(crate) line: String,
+}
+
+/// The relay's poll of `partitions` as [`explain_poll`] shows it.
+fn polled<'a>(
+    table: &'a OutboxTable,
+    partitions: &'a [i32],
+    count: u32,
+    limit: i64,
+) -> FetchBatch<'a> {
+    FetchBatch {
+        table,
+        partitions,
+        count,
+        limit,
+        held_back: &[],
+        exclude: &[],
+        skip_locked: false,
+        flag_held: true,
+        max_bytes: None,
+    }
+}
+
 /// The plan of the relay's poll of `partitions` (of `count`; `[0]` of 1 for the whole table)
 /// as `EXPLAIN` prints it, line by line, planned in `conn`'s session: call
 /// [`prepare_session`](super::prepare_session) first to see the plan the relay gets. The poll should be an `Index
@@ -268,23 +295,9 @@ pub async fn explain_poll(
     count: u32,
     limit: i64,
 ) -> QueryResult<Vec<String>> {
-    #[derive(QueryableByName)]
-    struct PlanLine {
-        #[diesel(sql_type = Text, column_name = "QUERY PLAN")]
-        line: String,
-    }
-    let fetch = FetchBatch {
-        table,
-        partitions,
-        count,
-        limit,
-        held_back: &[],
-        exclude: &[],
-        skip_locked: false,
-        flag_held: true,
-        max_bytes: None,
-    };
-    let lines: Vec<PlanLine> = Explain(fetch).load(conn).await?;
+    let lines: Vec<PlanLine> = Explain(polled(table, partitions, count, limit))
+        .load(conn)
+        .await?;
     Ok(lines.into_iter().map(|l| l.line).collect())
 }
 
@@ -297,23 +310,9 @@ pub async fn explain_poll_analyze(
     count: u32,
     limit: i64,
 ) -> QueryResult<Vec<String>> {
-    #[derive(QueryableByName)]
-    struct PlanLine {
-        #[diesel(sql_type = Text, column_name = "QUERY PLAN")]
-        line: String,
-    }
-    let fetch = FetchBatch {
-        table,
-        partitions,
-        count,
-        limit,
-        held_back: &[],
-        exclude: &[],
-        skip_locked: false,
-        flag_held: true,
-        max_bytes: None,
-    };
-    let lines: Vec<PlanLine> = ExplainAnalyze(fetch).load(conn).await?;
+    let lines: Vec<PlanLine> = ExplainAnalyze(polled(table, partitions, count, limit))
+        .load(conn)
+        .await?;
     Ok(lines.into_iter().map(|l| l.line).collect())
 }
 

@@ -338,12 +338,7 @@ pub async fn explain_batch_analyze(
     cursor: &Cursor,
     limit: i64,
 ) -> QueryResult<Vec<String>> {
-    #[derive(QueryableByName)]
-    struct PlanLine {
-        #[diesel(sql_type = Text, column_name = "QUERY PLAN")]
-        line: String,
-    }
-    let lines: Vec<PlanLine> = diesel::sql_query(format!(
+    let lines: Vec<super::super::poll::PlanLine> = diesel::sql_query(format!(
         "EXPLAIN (ANALYZE, BUFFERS) {}",
         batch_sql(table, partition.count, partition.count > 1)
     ))
