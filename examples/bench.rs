@@ -603,8 +603,11 @@ impl Bench {
         println!(
             "\n## 2. commit-to-ack latency (steady rate of committed transactions, one event each)\n"
         );
-        println!("| rate | wake-up | p50 ms | p99 ms | max ms |");
-        println!("|---|---|---|---|---|");
+        println!(
+            "PostgreSQL's CPU per event counts the writers' inserts and commits too: the same in every row of a rate, so the difference between rows is the relay's reads.\n"
+        );
+        println!("| rate | wake-up | p50 ms | p99 ms | max ms | PostgreSQL CPU µs per event |");
+        println!("|---|---|---|---|---|---|");
         let logical = self.wal_level()? == "logical";
         for rate in [1000u32, 5000] {
             for wake in [
@@ -622,17 +625,17 @@ impl Bench {
                     Wake::Tailing => "log tailing (the replication stream pushes each commit)",
                 };
                 if wake == Wake::Tailing && !logical {
-                    println!("| {rate}/s | {how} | skipped: `wal_level` is not `logical` | | |");
+                    println!("| {rate}/s | {how} | skipped: `wal_level` is not `logical` | | | |");
                     continue;
                 }
-                let (p50, p99, max) = self.latency_run(rate, wake).await?;
-                println!("| {rate}/s | {how} | {p50:.1} | {p99:.1} | {max:.1} |");
+                let (p50, p99, max, pg) = self.latency_run(rate, wake).await?;
+                println!("| {rate}/s | {how} | {p50:.1} | {p99:.1} | {max:.1} | {pg:.1} |");
             }
         }
         Ok(())
     }
 
-    async fn latency_run(&mut self, rate: u32, wake: Wake) -> Result<(f64, f64, f64)> {
+    async fn latency_run(&mut self, rate: u32, wake: Wake) -> Result<(f64, f64, f64, f64)> {
         self.reset_outbox()?;
         let listen = matches!(wake, Wake::Notify | Wake::NotifyNoLinger);
         let tag = format!("{wake:?}").to_lowercase();
@@ -664,6 +667,7 @@ impl Bench {
         };
         let relay = tokio::spawn(Relay::new(config, nats).run(shutdown.clone()));
         tokio::time::sleep(Duration::from_millis(500)).await;
+        let cpu_before = cpu_snapshot();
         let duration = Duration::from_secs(self.args.seconds.max(3));
         let total = (rate as u64 * duration.as_secs()) as usize;
         // writers: 4 threads sharing the rate
@@ -730,6 +734,7 @@ impl Bench {
         for w in writers {
             w.join().map_err(|_| anyhow::anyhow!("writer panicked"))??;
         }
+        let cpu = CpuUse::between(&cpu_before, &cpu_snapshot(), total, &[]);
         shutdown.cancel();
         relay.await??;
         if wake == Wake::Tailing {
@@ -741,7 +746,12 @@ impl Bench {
         }
         let pct =
             |p: f64| latencies[((latencies.len() as f64 * p) as usize).min(latencies.len() - 1)];
-        Ok((pct(0.50), pct(0.99), latencies[latencies.len() - 1]))
+        Ok((
+            pct(0.50),
+            pct(0.99),
+            latencies[latencies.len() - 1],
+            cpu.postgres,
+        ))
     }
 
     /// Section 3.

@@ -56,6 +56,19 @@ fn assert_exactly_once_in_order(
     }
 }
 
+/// The stream holds exactly the events of `ledger`, once each, in its order per aggregate.
+async fn assert_stream_holds(stream: &TestStream, ledger: &Ledger) {
+    let expected = ledger.lock().expect("ledger").clone();
+    assert_exactly_once_in_order(&stream.read_all().await, &expected);
+}
+
+/// Waits for every writer to finish.
+fn join_all(writers: Vec<std::thread::JoinHandle<()>>) {
+    for w in writers {
+        w.join().expect("writer");
+    }
+}
+
 /// Commits per-aggregate order: what each writer committed, by aggregate, in commit order.
 type Ledger = Arc<Mutex<HashMap<String, Vec<String>>>>;
 
@@ -297,12 +310,9 @@ async fn many_small_transactions_arrive_exactly_once_in_commit_order() {
     wait_reader(&db, &slot).await;
 
     let ledger = Ledger::default();
-    for w in start_writers(&db, &Outbox::default(), 4, 750, 1, &ledger) {
-        w.join().expect("writer");
-    }
+    join_all(start_writers(&db, &Outbox::default(), 4, 750, 1, &ledger));
     wait_count(&stream, 3_000, Duration::from_secs(180)).await;
-    let expected = ledger.lock().expect("ledger").clone();
-    assert_exactly_once_in_order(&stream.read_all().await, &expected);
+    assert_stream_holds(&stream, &ledger).await;
 }
 
 #[tokio::test]
@@ -347,17 +357,14 @@ async fn insert_then_delete_leaves_the_table_empty_and_delivers_every_event() {
 
     let outbox = Outbox::default().delete_after_insert(true);
     let ledger = Ledger::default();
-    for w in start_writers(&db, &outbox, 2, 250, 3, &ledger) {
-        w.join().expect("writer");
-    }
+    join_all(start_writers(&db, &outbox, 2, 250, 3, &ledger));
     assert_eq!(
         db.scalar("SELECT count(*) FROM outbox"),
         0,
         "the table stays empty"
     );
     wait_count(&stream, 1_500, Duration::from_secs(180)).await;
-    let expected = ledger.lock().expect("ledger").clone();
-    assert_exactly_once_in_order(&stream.read_all().await, &expected);
+    assert_stream_holds(&stream, &ledger).await;
     assert_eq!(db.scalar("SELECT count(*) FROM outbox"), 0);
 }
 
@@ -379,16 +386,13 @@ async fn captured_rows_are_deleted_on_schedule_without_losing_events() {
     );
     wait_reader(&db, &slot).await;
     let ledger = Ledger::default();
-    for w in start_writers(&db, &Outbox::default(), 2, 100, 2, &ledger) {
-        w.join().expect("writer");
-    }
+    join_all(start_writers(&db, &Outbox::default(), 2, 100, 2, &ledger));
     wait_count(&stream, 400, Duration::from_secs(30)).await;
     wait_until(Duration::from_secs(30), "captured rows deleted", || async {
         db.scalar("SELECT count(*) FROM outbox") == 0
     })
     .await;
-    let expected = ledger.lock().expect("ledger").clone();
-    assert_exactly_once_in_order(&stream.read_all().await, &expected);
+    assert_stream_holds(&stream, &ledger).await;
 }
 
 #[tokio::test]
@@ -562,17 +566,14 @@ async fn ten_kills_during_twenty_thousand_events_deliver_each_exactly_once_in_co
         kills += 1;
         current = relay(&format!("relay-{k}"), &db, &stream, &slot, &args);
     }
-    for w in writers {
-        w.join().expect("writer");
-    }
+    join_all(writers);
     wait_count(&stream, 20_000, Duration::from_secs(180)).await;
     eprintln!(
         "{kills} kills, 20,000 events in {:.1}s",
         start.elapsed().as_secs_f64()
     );
     drop(current);
-    let expected = ledger.lock().expect("ledger").clone();
-    assert_exactly_once_in_order(&stream.read_all().await, &expected);
+    assert_stream_holds(&stream, &ledger).await;
 }
 
 /// [`start_writers`] with writer numbers from `first`, so that aggregates stay apart.
@@ -913,12 +914,9 @@ async fn a_first_start_beside_running_writers_publishes_every_event_once_in_orde
     })
     .await;
     let _relay = relay("relay", &db, &stream, &slot, &[]);
-    for w in writers {
-        w.join().expect("writer");
-    }
+    join_all(writers);
     wait_count(&stream, 3_200, Duration::from_secs(120)).await;
-    let expected = ledger.lock().expect("ledger").clone();
-    assert_exactly_once_in_order(&stream.read_all().await, &expected);
+    assert_stream_holds(&stream, &ledger).await;
 }
 
 /// The README's switch from `ordered` to `log-tailing`, writers committing throughout: start
@@ -940,12 +938,9 @@ async fn switching_from_ordered_to_log_tailing_under_load_loses_nothing() {
         writers.iter().any(|w| !w.is_finished()),
         "the writers still commit after the switch"
     );
-    for w in writers {
-        w.join().expect("writer");
-    }
+    join_all(writers);
     wait_count(&stream, 4_000, Duration::from_secs(120)).await;
-    let expected = ledger.lock().expect("ledger").clone();
-    assert_exactly_once_in_order(&stream.read_all().await, &expected);
+    assert_stream_holds(&stream, &ledger).await;
 }
 
 /// The README's switch from `log-tailing` back to `ordered`, writers committing throughout:
@@ -974,12 +969,9 @@ async fn switching_from_log_tailing_to_ordered_under_load_loses_nothing() {
         writers.iter().any(|w| !w.is_finished()),
         "the writers still commit after the switch"
     );
-    for w in writers {
-        w.join().expect("writer");
-    }
+    join_all(writers);
     wait_count(&stream, 4_000, Duration::from_secs(120)).await;
-    let expected = ledger.lock().expect("ledger").clone();
-    assert_exactly_once_in_order(&stream.read_all().await, &expected);
+    assert_stream_holds(&stream, &ledger).await;
 }
 
 /// Runs the relay until it exits (within `timeout`); its exit code and what it logged.
@@ -1026,15 +1018,19 @@ async fn a_dropped_slot_stops_the_relay_and_recover_slot_publishes_what_may_be_m
     let mut first = relay("relay", &db, &stream, &slot, &[]);
     wait_reader(&db, &slot).await;
     let ledger = Ledger::default();
-    for w in start_writers(&db, &Outbox::default(), 2, 50, 1, &ledger) {
-        w.join().expect("writer");
-    }
+    join_all(start_writers(&db, &Outbox::default(), 2, 50, 1, &ledger));
     wait_count(&stream, 100, Duration::from_secs(30)).await;
     support::slot::drop_slot(db.admin_url(), &slot.name);
     // recorded while the slot is gone: no slot will ever send these
-    for w in start_writers_from(&db, &Outbox::default(), 2, 2, 25, 1, &ledger) {
-        w.join().expect("writer");
-    }
+    join_all(start_writers_from(
+        &db,
+        &Outbox::default(),
+        2,
+        2,
+        25,
+        1,
+        &ledger,
+    ));
     assert_eq!(
         first.wait_exit(Duration::from_secs(30)),
         Some(1),
@@ -1050,8 +1046,7 @@ async fn a_dropped_slot_stops_the_relay_and_recover_slot_publishes_what_may_be_m
     assert!(!slot.exists(&db), "no slot made silently");
     let _recovered = relay("recovered", &db, &stream, &slot, &["--recover-slot"]);
     wait_count(&stream, 150, Duration::from_secs(60)).await;
-    let expected = ledger.lock().expect("ledger").clone();
-    assert_exactly_once_in_order(&stream.read_all().await, &expected);
+    assert_stream_holds(&stream, &ledger).await;
 }
 
 /// `outbox-relay retry` releases a parked row while the reader lags behind a backlog and the
@@ -1097,9 +1092,7 @@ async fn a_retried_row_is_published_once_when_cleanup_runs_before_the_reader_see
     js.update_stream(config(-1)).await.expect("limit lifted");
     // a backlog the reader takes a while to publish, then the release behind it
     let ledger = Ledger::default();
-    for w in start_writers(&db, &Outbox::default(), 2, 40, 50, &ledger) {
-        w.join().expect("writer");
-    }
+    join_all(start_writers(&db, &Outbox::default(), 2, 40, 50, &ledger));
     let out = Command::new(relay_bin())
         .args(["retry", "--all"])
         .env("DATABASE_URL", &db.url)
