@@ -68,6 +68,25 @@ fn a_database_that_does_not_exist_fails_at_once_with_exit_2_and_the_servers_reas
     assert!(!stderr.contains("retrying"), "not retried: {stderr}");
 }
 
+/// A newcomer's first start often has both wrong: a database name with a typo and a NATS
+/// server not started yet. The database's answer comes at once, not after NATS's start-up
+/// timeout.
+#[test]
+fn a_database_that_does_not_exist_fails_at_once_while_nats_is_not_up_yet() {
+    let stream = TestStream::new();
+    let name = format!("no_such_db_{}", uuid::Uuid::now_v7().simple());
+    let mut cmd = relay_against(&on_server(&name), &stream, "60s");
+    // nothing listens there
+    cmd.env("NATS_URL", format!("nats://127.0.0.1:{}", free_port()));
+    let (code, _, stderr, took) = run_to_exit(&mut cmd, Duration::from_secs(50));
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(took < Duration::from_secs(10), "not retried: took {took:?}");
+    assert!(
+        stderr.contains(&format!("database \"{name}\" does not exist")),
+        "the server's reason: {stderr}"
+    );
+}
+
 #[test]
 fn a_database_url_that_does_not_parse_fails_at_once_with_exit_2_saying_what_to_give() {
     let stream = TestStream::new();

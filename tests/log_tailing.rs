@@ -899,6 +899,58 @@ async fn an_idle_reader_keeps_its_session_when_stats_are_rarer_than_the_lease() 
     assert_eq!(slot.reader(&db), Some(reader));
 }
 
+/// Making the slot waits for every transaction running at that moment to end. A transaction
+/// held open for more than two leases must not cost the reader its session (PostgreSQL ends a
+/// session silent for the lease): the same session makes the slot, and every event comes once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_keeps_its_session_while_making_its_slot_waits_for_a_long_transaction() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let slot = Slot::new(&db);
+    let before = db
+        .conn()
+        .transaction(|c| c.record_event(&changed("B", 1)))
+        .expect("record");
+    // a transaction with an id, held open across the slot's creation
+    let (release, held) = std::sync::mpsc::channel::<()>();
+    let (began, began_wait) = std::sync::mpsc::channel::<()>();
+    let mut open = db.conn();
+    let holder = std::thread::spawn(move || {
+        open.transaction(|c| {
+            c.record_event(&changed("H", 1))?;
+            began.send(()).ok();
+            held.recv().ok();
+            Ok::<_, diesel::result::Error>(())
+        })
+        .expect("the held transaction commits");
+    });
+    began_wait.recv().expect("the transaction began");
+    let _relay = relay("relay", &db, &stream, &slot, &["--lease", "3s"]);
+    wait_until(Duration::from_secs(30), "the reader's lock", || async {
+        slot.reader(&db).is_some()
+    })
+    .await;
+    let reader = slot.reader(&db);
+    // more than two leases while the slot waits for the held transaction
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    assert_eq!(
+        slot.reader(&db),
+        reader,
+        "the session that began making the slot still holds it"
+    );
+    release.send(()).expect("end the held transaction");
+    holder.join().expect("the holder");
+    wait_count(&stream, 2, Duration::from_secs(60)).await;
+    assert_eq!(slot.reader(&db), reader, "and reads it");
+    let ids: Vec<String> = stream
+        .read_all()
+        .await
+        .into_iter()
+        .map(|m| m.msg_id)
+        .collect();
+    assert_eq!(ids.len(), 2, "{ids:?}");
+    assert!(ids.contains(&before.to_string()), "{ids:?}");
+}
+
 /// Writers commit before, while and after the relay makes its slot: the rows committed
 /// before the slot's consistent point come from its exported snapshot, the rest from the
 /// slot, with no gap between them.

@@ -217,12 +217,10 @@ pub struct WalBatch {
 
 /// Reads a table's committed inserts from a logical replication slot, in commit order.
 ///
-/// Two ways to read: by default each [`WalReader::read`] is one SQL call
-/// (`pg_logical_slot_peek_binary_changes`) on the caller's connection, which decodes the WAL
-/// again from the slot's restart position every time; after [`WalReader::streaming`] the reader
-/// holds a replication connection of its own (`START_REPLICATION`, as a subscriber or
-/// Debezium does), which decodes each WAL record once and sends each transaction as it
-/// commits. The relay streams; the SQL way suits a one-off read.
+/// It reads over a replication connection of its own, made by [`WalReader::streaming`]
+/// (`START_REPLICATION`, as a subscriber or Debezium does), which decodes each WAL record once
+/// and sends each transaction as it commits; a reader made without it sets the slot up and
+/// advances it, and its [`WalReader::read`] returns [`WalError::NotStreaming`].
 #[derive(Debug)]
 pub struct WalReader {
     table: OutboxTable,
@@ -239,6 +237,9 @@ pub struct WalReader {
     recover: bool,
     /// Released parked rows read and not settled yet: (their transaction's `commit_lsn`, `seq`).
     released: Vec<(Lsn, i64)>,
+    /// How often the caller's session is sent a query while the reader waits on its
+    /// replication connection (making the slot).
+    keep_alive: Duration,
 }
 
 /// A transaction (or part) as read, before released parked rows are looked up.
@@ -286,7 +287,18 @@ impl WalReader {
             acked: Lsn(0),
             recover: false,
             released: Vec::new(),
+            keep_alive: Duration::from_secs(1),
         }
+    }
+
+    /// How often the caller's session is sent a query (`SELECT 1`) while the reader waits on
+    /// its replication connection, which making the slot does until every transaction running
+    /// then has ended (default every second): a session that holds a lock, and that
+    /// PostgreSQL would end after `idle_session_timeout` of silence, keeps it however long the
+    /// wait.
+    pub fn keep_session_alive(mut self, every: Duration) -> Self {
+        self.keep_alive = every.max(Duration::from_millis(10));
+        self
     }
 
     /// Lets [`WalReader::setup`] accept a missing slot that the relay's record says was read

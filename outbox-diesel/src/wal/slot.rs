@@ -211,7 +211,8 @@ impl WalReader {
     ///
     /// Until `finish_slot`, the record says the slot is unfinished, so that a relay that stops
     /// meanwhile makes it again (and publishes the rows before it again) on its next start.
-    /// Creating a slot waits for the transactions running at that moment to end.
+    /// Creating a slot waits for the transactions running at that moment to end; `conn` is
+    /// sent a query every [`keep_session_alive`](WalReader::keep_session_alive) meanwhile.
     pub async fn create_slot(
         &mut self,
         conn: &mut AsyncPgConnection,
@@ -249,7 +250,22 @@ impl WalReader {
             pgwire_replication::ReplicationClient::connect_gated(self.replication_config(&cfg))
                 .await
                 .map_err(|e| self.connection_error(e))?;
-        let result = self.export_and_import(&mut client, snapshot).await;
+        // the wait lasts until every transaction running now ends: the caller's session, which
+        // holds the reader's lock, is kept alive meanwhile
+        let every = self.keep_alive;
+        let result = {
+            let mut import = std::pin::pin!(self.export_and_import(&mut client, snapshot));
+            loop {
+                match tokio::time::timeout(every, import.as_mut()).await {
+                    Ok(result) => break result,
+                    Err(_) => {
+                        if let Err(e) = diesel::sql_query("SELECT 1").execute(conn).await {
+                            break Err(e.into());
+                        }
+                    }
+                }
+            }
+        };
         client.abort();
         let at = result?;
         self.acked = Lsn(0);

@@ -189,6 +189,15 @@ async fn run(args: RunArgs) -> ExitCode {
         nats = %redact_url(&args.relay.nats.nats_url),
         "connecting"
     );
+    // what the operator must change on the database's side (no such database or role,
+    // refused credentials) is said at once, not after NATS's start-up timeout; a server not up
+    // yet is waited for by the relay below
+    if let Err(e) = outbox_diesel::connect(&config.database_url).await
+        && !e.can_heal()
+    {
+        error!("{}", outbox_nats::RelayError::DatabaseRefused(e));
+        return ExitCode::from(2);
+    }
     let client = match connect_nats(&nats, args.relay.startup_timeout).await {
         Ok(c) => c,
         Err(e) => {

@@ -153,7 +153,9 @@ impl Tailing {
         }
         let mut reader = WalReader::new(cfg.table.clone(), slot.clone(), cfg.publication_name())
             .streaming(&cfg.database_url, cfg.poll_interval)?
-            .recover(cfg.recover_slot);
+            .recover(cfg.recover_slot)
+            // making the slot may wait longer than the lease for running transactions
+            .keep_session_alive(cfg.lease / 3);
         let state = reader.setup(conn).await?;
         self.set_reader(true);
         if state != SlotState::Ready
