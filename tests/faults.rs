@@ -227,6 +227,19 @@ impl Drop for Logs {
     fn drop(&mut self) {
         if std::thread::panicking() || std::env::var_os("OUTBOX_FAULT_KEEP_LOGS").is_some() {
             eprintln!("the processes' logs are in {}", self.dir.display());
+            if std::thread::panicking() {
+                // CI keeps only the test's output: the logs' last lines go there
+                for name in ["relays", "writer"] {
+                    let text = std::fs::read_to_string(self.dir.join(format!("{name}.log")))
+                        .unwrap_or_default();
+                    let lines: Vec<&str> = text.lines().collect();
+                    let tail = &lines[lines.len().saturating_sub(150)..];
+                    eprintln!("--- the last {} lines of {name}.log", tail.len());
+                    for line in tail {
+                        eprintln!("{line}");
+                    }
+                }
+            }
         } else {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
@@ -289,8 +302,12 @@ impl<'a> Relays<'a> {
         if let Some(url) = &self.nats_url {
             cmd.env("NATS_URL", url);
         }
+        // what the relays did, for a failure's report (see `Logs`)
+        let level = std::env::var("OUTBOX_TEST_LOG")
+            .unwrap_or_else(|_| "info,async_nats=warn".into());
         cmd.arg("--no-cleanup")
             .env("NO_COLOR", "1")
+            .env("RUST_LOG", level)
             .stdout(Stdio::null())
             .stderr(self.logs.file("relays"));
         Proc::spawn(&format!("relay-{}", self.started), &mut cmd)
