@@ -303,8 +303,8 @@ impl<'a> Relays<'a> {
             cmd.env("NATS_URL", url);
         }
         // what the relays did, for a failure's report (see `Logs`)
-        let level = std::env::var("OUTBOX_TEST_LOG")
-            .unwrap_or_else(|_| "info,async_nats=warn".into());
+        let level =
+            std::env::var("OUTBOX_TEST_LOG").unwrap_or_else(|_| "info,async_nats=warn".into());
         cmd.arg("--no-cleanup")
             .env("NO_COLOR", "1")
             .env("RUST_LOG", level)

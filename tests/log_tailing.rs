@@ -395,6 +395,37 @@ async fn captured_rows_are_deleted_on_schedule_without_losing_events() {
     assert_stream_holds(&stream, &ledger).await;
 }
 
+/// Rows recorded before the relay's first start are published from the slot's snapshot, and
+/// deleted on the same schedule as the rows read from the slot, without waiting for a later
+/// event to be confirmed.
+#[tokio::test]
+async fn rows_published_by_the_first_start_are_deleted_on_schedule() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let slot = Slot::new(&db);
+    let ledger = Ledger::default();
+    join_all(start_writers(&db, &Outbox::default(), 2, 50, 2, &ledger));
+    let _relay = relay(
+        "relay",
+        &db,
+        &stream,
+        &slot,
+        &[
+            "--captured-retention",
+            "0s",
+            "--captured-cleanup-interval",
+            "200ms",
+        ],
+    );
+    wait_count(&stream, 200, Duration::from_secs(30)).await;
+    wait_until(
+        Duration::from_secs(10),
+        "the first start's rows deleted",
+        || async { db.scalar("SELECT count(*) FROM outbox") == 0 },
+    )
+    .await;
+    assert_stream_holds(&stream, &ledger).await;
+}
+
 #[tokio::test]
 async fn relay_killed_between_publish_and_slot_advance_repeats_but_never_skips() {
     let (db, stream) = (TestDb::new(), TestStream::new());

@@ -158,13 +158,18 @@ impl Tailing {
             .keep_session_alive(cfg.lease / 3);
         let state = reader.setup(conn).await?;
         self.set_reader(true);
-        if state != SlotState::Ready
-            && !self.first_start(conn, &mut reader, &lease, backoff).await?
-        {
-            return Ok(());
+        // the highest `seq` the first start published: its rows are captured too
+        let mut published_seq = 0;
+        if state != SlotState::Ready {
+            match self.first_start(conn, &mut reader, &lease, backoff).await? {
+                Some(seq) => published_seq = seq,
+                None => return Ok(()),
+            }
         }
         info!(slot = %slot, publication = %reader.publication(), "reading the slot");
-        let result = self.read_loop(conn, &mut reader, &lease, backoff).await;
+        let result = self
+            .read_loop(conn, &mut reader, &lease, backoff, published_seq)
+            .await;
         if result.is_ok() {
             // a clean stop: confirm what was acked and hand the slot over at once
             reader.close(conn).await?;
@@ -177,15 +182,15 @@ impl Tailing {
     /// Makes the slot and publishes, before anything it sends, every row committed before it
     /// that no relay has published and that is not parked, in `seq` order, read from the
     /// slot's exported snapshot a page at a time: no gap between the table and the log, and
-    /// nothing twice but what a retry repeats (which JetStream drops). `false` when stopped
-    /// meanwhile (the next start makes the slot again).
+    /// nothing twice but what a retry repeats (which JetStream drops). Returns the highest
+    /// `seq` it published; `None` when stopped meanwhile (the next start makes the slot again).
     async fn first_start(
         &self,
         conn: &mut AsyncPgConnection,
         reader: &mut WalReader,
         lease: &Lease,
         backoff: &mut Backoff,
-    ) -> Result<bool, WalError> {
+    ) -> Result<Option<i64>, WalError> {
         let cfg = &*self.cfg;
         let mut snapshot = outbox_diesel::connect(&cfg.database_url).await?;
         let at = reader.create_slot(conn, &mut snapshot).await?;
@@ -196,7 +201,7 @@ impl Tailing {
         let limit = i64::try_from(cfg.batch_size).unwrap_or(i64::MAX);
         loop {
             if self.shutdown.is_cancelled() {
-                return Ok(false);
+                return Ok(None);
             }
             lease.renew_if_due(conn).await?;
             let page = wal::snapshot_rows(&mut snapshot, &cfg.table, after, limit).await?;
@@ -213,7 +218,7 @@ impl Tailing {
                 Err(e) => {
                     warn!(error = %e, "rows in doubt cannot be looked up; retrying");
                     if !backoff.sleep(&self.shutdown).await {
-                        return Ok(false);
+                        return Ok(None);
                     }
                     continue;
                 }
@@ -235,7 +240,7 @@ impl Tailing {
                     backoff.reset();
                 }
                 // stopped
-                BatchEnd::Done => return Ok(false),
+                BatchEnd::Done => return Ok(None),
                 // the page again, once the session answered
                 BatchEnd::LeaseUnconfirmed => lease.renew_if_due(conn).await?,
                 // a newer message on a subject: the session answers (or the slot is lost to
@@ -243,7 +248,7 @@ impl Tailing {
                 BatchEnd::Fenced => lease.renew(conn).await?,
                 BatchEnd::Transient => {
                     if !backoff.sleep(&self.shutdown).await {
-                        return Ok(false);
+                        return Ok(None);
                     }
                 }
                 BatchEnd::RowFailed {
@@ -265,7 +270,7 @@ impl Tailing {
                         _ => {
                             warn!(outbox.seq = seq, attempts = n, error = %error, "publish rejected; retrying");
                             if !backoff.sleep(&self.shutdown).await {
-                                return Ok(false);
+                                return Ok(None);
                             }
                         }
                     }
@@ -275,7 +280,7 @@ impl Tailing {
         wal::end_snapshot(&mut snapshot).await?;
         reader.finish_slot(conn, at).await?;
         info!(slot = %reader.slot(), lsn = %at, rows = published, "the rows recorded before the slot are published; reading the slot");
-        Ok(true)
+        Ok(Some(after))
     }
 
     /// Reads the stream and keeps the NATS pipeline full across reads: the rows of what was
@@ -284,17 +289,20 @@ impl Tailing {
     /// `max_batch_bytes`: each read takes what is left of it (stopping inside a transaction if
     /// need be), and none is made while it is spent. A failed publish stops the sending; the
     /// acks in flight are let in, the slot confirmed as far as they allow, and the reader goes
-    /// back to the confirmed position, so that what was not acked comes again.
+    /// back to the confirmed position, so that what was not acked comes again. Rows up to
+    /// `published_seq` (what the first start published) are captured from the start.
     async fn read_loop(
         &self,
         conn: &mut AsyncPgConnection,
         reader: &mut WalReader,
         lease: &Lease,
         backoff: &mut Backoff,
+        published_seq: i64,
     ) -> Result<(), WalError> {
         let cfg = &*self.cfg;
         let mut state = State {
             confirmed: reader.confirmed(conn).await?.unwrap_or_default(),
+            max_confirmed_seq: published_seq,
             ..State::default()
         };
         let mut next_stats = Instant::now();
