@@ -368,22 +368,19 @@ async fn insert_then_delete_leaves_the_table_empty_and_delivers_every_event() {
     assert_eq!(db.scalar("SELECT count(*) FROM outbox"), 0);
 }
 
+/// Captured rows deleted at the first cleanup after they are captured, every 200 ms.
+const DELETE_CAPTURED_AT_ONCE: &[&str] = &[
+    "--captured-retention",
+    "0s",
+    "--captured-cleanup-interval",
+    "200ms",
+];
+
 #[tokio::test]
 async fn captured_rows_are_deleted_on_schedule_without_losing_events() {
     let (db, stream) = (TestDb::new(), TestStream::new());
     let slot = Slot::new(&db);
-    let _relay = relay(
-        "relay",
-        &db,
-        &stream,
-        &slot,
-        &[
-            "--captured-retention",
-            "0s",
-            "--captured-cleanup-interval",
-            "200ms",
-        ],
-    );
+    let _relay = relay("relay", &db, &stream, &slot, DELETE_CAPTURED_AT_ONCE);
     wait_reader(&db, &slot).await;
     let ledger = Ledger::default();
     join_all(start_writers(&db, &Outbox::default(), 2, 100, 2, &ledger));
@@ -404,18 +401,7 @@ async fn rows_published_by_the_first_start_are_deleted_on_schedule() {
     let slot = Slot::new(&db);
     let ledger = Ledger::default();
     join_all(start_writers(&db, &Outbox::default(), 2, 50, 2, &ledger));
-    let _relay = relay(
-        "relay",
-        &db,
-        &stream,
-        &slot,
-        &[
-            "--captured-retention",
-            "0s",
-            "--captured-cleanup-interval",
-            "200ms",
-        ],
-    );
+    let _relay = relay("relay", &db, &stream, &slot, DELETE_CAPTURED_AT_ONCE);
     wait_count(&stream, 200, Duration::from_secs(30)).await;
     wait_until(
         Duration::from_secs(10),

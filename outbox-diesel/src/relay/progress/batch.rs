@@ -189,13 +189,19 @@ pub async fn fetch_batches(
             (*p, batch)
         })
         .collect();
+    let index: std::collections::HashMap<i32, usize> = batches
+        .iter()
+        .enumerate()
+        .map(|(i, (p, _))| (*p as i32, i))
+        .collect();
     for f in fetched {
         if f.behind < 0 {
             continue;
         }
-        let Some((_, batch)) = batches.iter_mut().find(|(p, _)| *p as i32 == f.p) else {
+        let Some(&i) = index.get(&f.p) else {
             continue;
         };
+        let batch = &mut batches[i].1;
         if aside.contains(&f.event.seq) {
             batch.held += usize::from(held.contains(&f.event.seq));
             continue;
