@@ -960,11 +960,19 @@ impl Bench {
     /// A cursor past every row in the table, as an ordered relay leaves it after reading them.
     fn cursor_now(&self) -> Result<outbox_diesel::relay::Cursor> {
         use diesel::RunQueryDsl;
+        #[derive(diesel::QueryableByName)]
+        struct Now {
+            #[diesel(sql_type = diesel::sql_types::BigInt)]
+            upto_seq: i64,
+            #[diesel(sql_type = diesel::sql_types::Text)]
+            snap: String,
+        }
         let mut conn = PgConnection::establish(&self.db_url)?;
-        Ok(diesel::sql_query(
+        let now: Now = diesel::sql_query(
             "SELECT COALESCE(max(seq), 0) AS upto_seq, pg_current_snapshot()::text AS snap FROM outbox",
         )
-        .get_result(&mut conn)?)
+        .get_result(&mut conn)?;
+        Ok(outbox_diesel::relay::Cursor::at(now.upto_seq, now.snap))
     }
 
     /// The median of 200 runs of the ordered relay's batch at `cursor`, in ms (after 20 runs

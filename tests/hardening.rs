@@ -1008,10 +1008,7 @@ async fn one_statement_reads_partitions_at_different_cursors_each_row_once() {
     let mut conn = db.relay_session().await;
     // partition 0 was read up to seq 50; partition 1 is new to this relay
     let snap = db.scalar("SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint");
-    let read = Cursor {
-        upto_seq: 50,
-        snap: format!("{snap}:{snap}:"),
-    };
+    let read = Cursor::at(50, format!("{snap}:{snap}:"));
     let first = fetch_batches(
         &mut conn,
         &table,
@@ -1093,6 +1090,182 @@ async fn one_statement_reads_partitions_at_different_cursors_each_row_once() {
             "partition {p}: the held rows, late, once"
         );
     }
+}
+
+// 20. A transaction held open across batches and committed with more rows than a batch holds:
+// its rows are all late, and the batch read them all at once (a bulk load of a million events
+// was one batch, whatever `--batch-size` and `--max-batch-bytes`). Now they are read in parts
+// within the batch's limits (a late pass), in `seq` order, each once; the partition's next rows
+// wait for the pass and follow it, and the other partition keeps being read meanwhile.
+#[tokio::test]
+async fn a_late_transaction_larger_than_a_batch_is_read_in_parts_within_its_limits() {
+    use outbox_diesel::relay::{Cursor, Source, fetch_batches};
+    let db = TestDb::new();
+    let insert = |n: i64| insert_rows_over(&db, n, 10);
+    insert(20);
+    let table = outbox_diesel::OutboxTable::DEFAULT;
+    let mut conn = db.relay_session().await;
+    let mut cursors: Vec<(u32, Cursor)> = vec![(0, Cursor::start()), (1, Cursor::start())];
+    let mut returned: Vec<(u32, i64, Source)> = Vec::new();
+    let mut step = async |cursors: &mut Vec<(u32, Cursor)>, limit: i64, max_bytes: i64| {
+        let batches = fetch_batches(&mut conn, &table, 2, cursors, &[], limit, max_bytes)
+            .await
+            .expect("fetch");
+        let mut got = Vec::new();
+        for ((p, batch), (_, before)) in batches.iter().zip(cursors.iter()) {
+            let late = seqs_of(batch, Source::Late);
+            assert!(
+                late.len() as i64 <= limit,
+                "partition {p}: {} late rows in one batch of {limit}",
+                late.len()
+            );
+            if before.late.is_some() {
+                assert_eq!(
+                    seqs_of(batch, Source::Next),
+                    Vec::<i64>::new(),
+                    "partition {p}: no next row during its late pass"
+                );
+            }
+            got.extend(batch.rows.iter().map(|(r, s)| (*p, r.seq, *s)));
+        }
+        *cursors = batches.into_iter().map(|(p, b)| (p, b.next)).collect();
+        got
+    };
+    // the rows committed so far are read
+    returned.extend(step(&mut cursors, 100, i64::MAX).await);
+    assert_eq!(returned.len(), 20);
+
+    // 60 rows over both partitions in a transaction held open while later rows are read
+    let mut open = db.conn();
+    let (tx_done, tx_wait) = std::sync::mpsc::channel::<()>();
+    let (inserted, inserted_wait) = std::sync::mpsc::channel::<()>();
+    let holder = std::thread::spawn(move || {
+        open.transaction(|c| {
+            diesel::sql_query(
+                "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+                 SELECT gen_random_uuid(), 'bulk', 'b-' || (i % 7), 'bulk.loaded', \
+                 jsonb_build_object('pad', repeat('x', 80)) FROM generate_series(1, 60) AS i",
+            )
+            .execute(c)?;
+            inserted.send(()).ok();
+            tx_wait.recv().ok();
+            Ok::<_, diesel::result::Error>(())
+        })
+        .expect("the held transaction commits");
+    });
+    inserted_wait.recv().expect("the held rows inserted");
+    insert(10);
+    returned.extend(step(&mut cursors, 100, i64::MAX).await);
+    assert_eq!(returned.len(), 30, "the rows after the held ones");
+    tx_done.send(()).expect("commit the held transaction");
+    holder.join().expect("the holder");
+    // rows after the commit: they wait for their partition's pass
+    insert(10);
+
+    // a row limit of 8: the late rows come 8 at most per partition and batch
+    let mut passes = 0;
+    for _ in 0..40 {
+        let got = step(&mut cursors, 8, i64::MAX).await;
+        passes += usize::from(cursors.iter().any(|(_, c)| c.late.is_some()));
+        if got.is_empty() && cursors.iter().all(|(_, c)| c.late.is_none()) {
+            break;
+        }
+        returned.extend(got);
+    }
+    assert!(
+        passes >= 3,
+        "the late rows were read in parts ({passes} steps in a pass)"
+    );
+    let all = seqs_where(&db, "true");
+    let mut seqs: Vec<i64> = returned.iter().map(|(_, s, _)| *s).collect();
+    seqs.sort_unstable();
+    assert_eq!(seqs, all, "every row read once");
+    for p in 0..2u32 {
+        let late: Vec<i64> = returned
+            .iter()
+            .filter(|(q, _, s)| *q == p && *s == Source::Late)
+            .map(|(_, s, _)| *s)
+            .collect();
+        assert_eq!(
+            late,
+            seqs_where(
+                &db,
+                &format!("aggregate_type = 'bulk' AND aggregate_hash % 2 = {p}")
+            ),
+            "partition {p}: the held rows, late, in seq order"
+        );
+        let order: Vec<i64> = returned
+            .iter()
+            .filter(|(q, _, _)| *q == p)
+            .map(|(_, s, _)| *s)
+            .collect();
+        let last_late = late.last().copied().unwrap_or_default();
+        let first_late = order
+            .iter()
+            .position(|s| *s == late[0])
+            .expect("a late row");
+        let last_late_at = order
+            .iter()
+            .position(|s| *s == last_late)
+            .expect("a late row");
+        assert!(
+            order[first_late..=last_late_at]
+                .iter()
+                .all(|s| late.contains(s)),
+            "partition {p}: nothing else between its late rows"
+        );
+    }
+
+    // a byte budget of three payloads: three late rows at most per part
+    let mut open = db.conn();
+    let (tx_done, tx_wait) = std::sync::mpsc::channel::<()>();
+    let (inserted, inserted_wait) = std::sync::mpsc::channel::<()>();
+    let holder = std::thread::spawn(move || {
+        open.transaction(|c| {
+            diesel::sql_query(
+                "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+                 SELECT gen_random_uuid(), 'big', 'g-1', 'big.loaded', \
+                 jsonb_build_object('pad', repeat('y', 1000)) FROM generate_series(1, 10) AS i",
+            )
+            .execute(c)?;
+            inserted.send(()).ok();
+            tx_wait.recv().ok();
+            Ok::<_, diesel::result::Error>(())
+        })
+        .expect("the held transaction commits");
+    });
+    inserted_wait.recv().expect("the held rows inserted");
+    insert(4);
+    let got = step(&mut cursors, 100, i64::MAX).await;
+    assert_eq!(got.len(), 4);
+    tx_done.send(()).expect("commit the held transaction");
+    holder.join().expect("the holder");
+    let size = db.scalar(
+        "SELECT octet_length(payload::text) FROM outbox WHERE aggregate_type = 'big' LIMIT 1",
+    );
+    let mut big = Vec::new();
+    for _ in 0..20 {
+        let got = step(&mut cursors, 100, 3 * size).await;
+        let late: Vec<i64> = got
+            .iter()
+            .filter(|(_, _, s)| *s == Source::Late)
+            .map(|(_, s, _)| *s)
+            .collect();
+        assert!(
+            late.len() <= 3,
+            "{} late rows of {size} bytes within three",
+            late.len()
+        );
+        big.extend(late);
+        if got.is_empty() && cursors.iter().all(|(_, c)| c.late.is_none()) {
+            break;
+        }
+    }
+    assert_eq!(
+        big,
+        seqs_where(&db, "aggregate_type = 'big'"),
+        "in seq order, each once"
+    );
 }
 
 // 10. `retry` releases the parked row and the rows held back behind it, which are published

@@ -251,6 +251,70 @@ async fn held_open_transaction_is_not_skipped_and_keeps_commit_order_unordered()
     held_open_transactions(&["--mode", "unordered", "--workers", "1"]).await;
 }
 
+/// A transaction held open while later rows are published commits 500 rows, twenty-five
+/// batches of `--batch-size 20`: the relay reads them in parts (a late pass) and publishes each
+/// once, in `seq` order within each aggregate, before what its aggregates record after it.
+#[tokio::test]
+async fn a_late_transaction_of_many_batches_is_published_once_and_in_order() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let _relay = relay(
+        "relay",
+        &db,
+        &stream,
+        &["--partitions", "2", "--batch-size", "20"],
+    );
+    let bulk = |from: i64, to: i64| {
+        format!(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+             SELECT gen_random_uuid(), 'bulk', 'b-' || (i % 5), 'bulk.loaded', \
+             jsonb_build_object('n', i) FROM generate_series({from}, {to}) AS i"
+        )
+    };
+    let mut t1 = db.conn();
+    diesel::sql_query("BEGIN").execute(&mut t1).expect("begin");
+    diesel::sql_query(bulk(1, 500))
+        .execute(&mut t1)
+        .expect("the held rows");
+    // other aggregates commit meanwhile and are published
+    db.execute(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), 'order', 'o-' || i, 'order.placed', '{}' \
+         FROM generate_series(1, 50) AS i",
+        "later rows",
+    );
+    wait_until(
+        Duration::from_secs(20),
+        "the later rows published",
+        || async { stream.count().await == 50 },
+    )
+    .await;
+    diesel::sql_query("COMMIT")
+        .execute(&mut t1)
+        .expect("commit the held rows");
+    // each bulk aggregate records once more after the commit
+    db.execute(&bulk(501, 505), "after the commit");
+    wait_published(&db, 555, Duration::from_secs(60)).await;
+    let got = stream.read_all().await;
+    let ids: HashSet<&str> = got.iter().map(|m| m.msg_id.as_str()).collect();
+    assert_eq!((got.len(), ids.len()), (555, 555), "each row once");
+    let mut per_aggregate: HashMap<&str, Vec<i64>> = HashMap::new();
+    for m in got.iter().filter(|m| m.aggregate_id.starts_with("b-")) {
+        per_aggregate
+            .entry(m.aggregate_id.as_str())
+            .or_default()
+            .push(m.payload["n"].as_i64().expect("n"));
+    }
+    assert_eq!(per_aggregate.len(), 5);
+    for (aggregate, ns) in per_aggregate {
+        assert_eq!(ns.len(), 101, "{aggregate}");
+        assert!(
+            ns.windows(2).all(|w| w[0] < w[1]),
+            "{aggregate}: in seq order, the row after the commit last: {ns:?}"
+        );
+        assert!(ns[100] > 500, "{aggregate}: {ns:?}");
+    }
+}
+
 /// A row in doubt and older than the duplicate window whose aggregate has a later row in the
 /// stream is not proof that it was published: a transaction that committed after the later
 /// row's was published (a late commit) has never been sent. The relay decides by the row's

@@ -78,8 +78,9 @@ pub struct RelayConfig {
     pub max_in_flight: usize,
     /// Payload bytes a batch holds at most (default 8 MiB), in every mode. Polling: a query
     /// stops taking rows once their payloads (as their JSON text) reach it, and always takes
-    /// one; the relay holds about three batches (two per worker in unordered mode), and the
-    /// publishes in flight stay within it too (one is always sent). Log
+    /// one, and so do the late rows of a transaction that commits more of them than a batch
+    /// holds, read in parts; the relay holds about three batches (two per worker in unordered
+    /// mode), and the publishes in flight stay within it too (one is always sent). Log
     /// tailing: the reader holds no more than this of events read and not acked; a read stops
     /// at what is left of it, inside a transaction too, so a larger transaction is published
     /// in parts while the rest of it is read (the replication client receives up to 256

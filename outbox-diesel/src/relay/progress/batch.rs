@@ -5,14 +5,14 @@ use std::collections::HashSet;
 
 use diesel::pg::Pg;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
-use diesel::sql_types::{Array, BigInt, Bool, Integer, Text};
+use diesel::sql_types::{Array, BigInt, Bool, Integer, Nullable, Text};
 use diesel::{QueryResult, QueryableByName};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 
 use crate::OutboxTable;
 
 use super::super::{OutboxRow, Partition};
-use super::Cursor;
+use super::{Cursor, LatePass};
 
 /// Where a fetched row came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,6 +68,10 @@ struct Fetched {
     /// parked or held; 2: only released ones
     #[diesel(sql_type = Integer)]
     behind: i32,
+    /// A late row: how many late rows its partition has (the statement returns those within
+    /// the batch's limits).
+    #[diesel(sql_type = BigInt)]
+    late_total: i64,
     #[diesel(sql_type = Text)]
     snap: String,
 }
@@ -101,15 +105,19 @@ pub async fn fetch_batch(
 
 /// Reads the next batch of each of `cursors`' partitions (of `count`) in one statement: up
 /// to `limit` rows after the lowest cursor in one walk through those partitions (and while
-/// their payloads stay under `max_bytes`, the first always), every late row of each, and up to
-/// `limit` released rows other than `exclude` (those the caller holds). Returns a batch per
-/// partition, in the order of `cursors`.
+/// their payloads stay under `max_bytes`, the first always), the late rows of each within the
+/// same limits, and up to `limit` released rows other than `exclude` (those the caller holds).
+/// Returns a batch per partition, in the order of `cursors`.
 ///
 /// Rows of an aggregate with an earlier parked or held row are set aside (`parked_at =
 /// '-infinity'`), rows of an aggregate whose earlier rows were released join them
 /// (`'infinity'`): neither is returned. Each partition's cursor moves to the end of the walk:
-/// the walk read every row of every one of them up to there. Traced as the span
-/// `outbox.claim`.
+/// the walk read every row of every one of them up to there.
+///
+/// A partition with more late rows than the limits let through is read in a [`LatePass`]:
+/// its batch holds the first of them, its cursor keeps its place and carries the pass, and
+/// the next calls read the rest in parts, its next rows waiting, until the pass ends and the
+/// cursor takes the pass's snapshot. Traced as the span `outbox.claim`.
 #[tracing::instrument(name = "outbox.claim", level = "debug", skip_all, fields(outbox.table = %table, outbox.partitions = cursors.len()))]
 pub async fn fetch_batches(
     conn: &mut AsyncPgConnection,
@@ -126,37 +134,101 @@ pub async fn fetch_batches(
     let indexes: Vec<i32> = cursors.iter().map(|(p, _)| *p as i32).collect();
     let uptos: Vec<i64> = cursors.iter().map(|(_, c)| c.upto_seq).collect();
     let snaps: Vec<&str> = cursors.iter().map(|(_, c)| c.snap.as_str()).collect();
+    let afters: Vec<Option<i64>> = cursors
+        .iter()
+        .map(|(_, c)| c.late.as_ref().map(|l| l.after_seq))
+        .collect();
+    let uppers: Vec<Option<&str>> = cursors
+        .iter()
+        .map(|(_, c)| c.late.as_ref().map(|l| l.snap.as_str()))
+        .collect();
+    // a partition in a late pass is not walked
+    let walking: Vec<(i32, i64)> = cursors
+        .iter()
+        .filter(|(_, c)| c.late.is_none())
+        .map(|(p, c)| (*p as i32, c.upto_seq))
+        .collect();
+    let walk: Vec<i32> = walking.iter().map(|(p, _)| *p).collect();
+    let some = cursors.len() < count as usize;
     let fetched: Vec<Fetched> = BatchStatement {
-        sql: batch_sql(table, count, cursors.len() < count as usize),
+        sql: batch_sql(table, count, some, walk.len() < cursors.len()),
         indexes: &indexes,
         uptos: &uptos,
         snaps: &snaps,
         limit,
         max_bytes,
         exclude,
-        from: uptos.iter().copied().min().unwrap_or(0),
+        from: walking.iter().map(|(_, u)| *u).min().unwrap_or(i64::MAX),
+        afters: &afters,
+        uppers: &uppers,
+        walk: &walk,
     }
     .load(conn)
     .await?;
     let Some(snap) = <[Fetched]>::first(&fetched).map(|f| f.snap.clone()) else {
+        // nothing to read: a late pass has ended, the other cursors stay
         return Ok(cursors
             .iter()
             .map(|(p, c)| {
+                let next = match &c.late {
+                    Some(pass) => Cursor::at(c.upto_seq, pass.snap.clone()),
+                    None => c.clone(),
+                };
                 let batch = Batch {
                     rows: Vec::new(),
-                    next: c.clone(),
+                    next,
                     held: 0,
                 };
                 (*p, batch)
             })
             .collect());
     };
-    // how far the walk went: every row of these partitions up to there that `snap` sees
+    // how far the walk went: every row of the walked partitions up to there that `snap` sees
     let walked = fetched
         .iter()
         .filter(|f| f.part == 0)
         .map(|f| f.event.seq)
         .max();
+    // per partition: the late rows returned, their highest `seq`, and how many there are
+    let mut late: std::collections::HashMap<i32, (i64, i64, i64)> = Default::default();
+    for f in fetched.iter().filter(|f| f.part == 1) {
+        let e = late.entry(f.p).or_insert((0, i64::MIN, f.late_total));
+        e.0 += 1;
+        e.1 = e.1.max(f.event.seq);
+    }
+    let mut batches: Vec<(u32, Batch)> = Vec::with_capacity(cursors.len());
+    // the partitions whose late rows did not all fit: their next rows wait for the pass
+    let mut passing: HashSet<i32> = HashSet::new();
+    for (p, c) in cursors {
+        let (returned, highest, total) = late.get(&(*p as i32)).copied().unwrap_or((0, 0, 0));
+        let next = if returned < total {
+            passing.insert(*p as i32);
+            let snap = c.late.as_ref().map_or(&snap, |pass| &pass.snap);
+            Cursor {
+                upto_seq: c.upto_seq,
+                snap: c.snap.clone(),
+                late: Some(LatePass {
+                    after_seq: highest,
+                    snap: snap.clone(),
+                }),
+            }
+        } else if let Some(pass) = &c.late {
+            // the pass has read every late row its snapshot sees
+            Cursor::at(c.upto_seq, pass.snap.clone())
+        } else {
+            Cursor::at(walked.unwrap_or(c.upto_seq).max(c.upto_seq), snap.clone())
+        };
+        let batch = Batch {
+            rows: Vec::new(),
+            next,
+            held: 0,
+        };
+        batches.push((*p, batch));
+    }
+    let fetched: Vec<Fetched> = fetched
+        .into_iter()
+        .filter(|f| !(f.part == 0 && passing.contains(&f.p)))
+        .collect();
     // rows behind a parked, held or released row of their aggregate: decided again under the
     // lock that orders holding and retrying
     let behind: Vec<i64> = fetched
@@ -175,20 +247,6 @@ pub async fn fetch_batches(
         .map(|s| s.seq)
         .collect();
     let held: HashSet<i64> = set_aside.iter().filter(|s| s.held).map(|s| s.seq).collect();
-    let mut batches: Vec<(u32, Batch)> = cursors
-        .iter()
-        .map(|(p, c)| {
-            let batch = Batch {
-                rows: Vec::new(),
-                next: Cursor {
-                    upto_seq: walked.unwrap_or(c.upto_seq).max(c.upto_seq),
-                    snap: snap.clone(),
-                },
-                held: 0,
-            };
-            (*p, batch)
-        })
-        .collect();
     let index: std::collections::HashMap<i32, usize> = batches
         .iter()
         .enumerate()
@@ -231,8 +289,13 @@ struct BatchStatement<'a> {
     limit: i64,
     max_bytes: i64,
     exclude: &'a [i64],
-    /// The lowest cursor's `seq`, where the walk starts.
+    /// The lowest walked cursor's `seq`, where the walk starts.
     from: i64,
+    /// Per cursor, its late pass's `seq` and snapshot, if any.
+    afters: &'a [Option<i64>],
+    uppers: &'a [Option<&'a str>],
+    /// The partitions walked (those not in a late pass).
+    walk: &'a [i32],
 }
 
 impl QueryId for BatchStatement<'_> {
@@ -249,15 +312,22 @@ impl QueryFragment<Pg> for BatchStatement<'_> {
         let mut rest = self.sql.as_str();
         while let Some(at) = rest.find('$') {
             out.push_sql(&rest[..at]);
-            let n = rest[at + 1..].bytes().next();
+            let digits = rest[at + 1..]
+                .bytes()
+                .take_while(u8::is_ascii_digit)
+                .count();
+            let n: u32 = rest[at + 1..at + 1 + digits].parse().unwrap_or(0);
             match n {
-                Some(b'1') => out.push_bind_param::<Array<Integer>, _>(self.indexes)?,
-                Some(b'2') => out.push_bind_param::<Array<BigInt>, _>(self.uptos)?,
-                Some(b'3') => out.push_bind_param::<Array<Text>, _>(self.snaps)?,
-                Some(b'4') => out.push_bind_param::<BigInt, _>(&self.limit)?,
-                Some(b'5') => out.push_bind_param::<BigInt, _>(&self.max_bytes)?,
-                Some(b'6') => out.push_bind_param::<Array<BigInt>, _>(self.exclude)?,
-                Some(b'7') => out.push_bind_param::<BigInt, _>(&self.from)?,
+                1 => out.push_bind_param::<Array<Integer>, _>(self.indexes)?,
+                2 => out.push_bind_param::<Array<BigInt>, _>(self.uptos)?,
+                3 => out.push_bind_param::<Array<Text>, _>(self.snaps)?,
+                4 => out.push_bind_param::<BigInt, _>(&self.limit)?,
+                5 => out.push_bind_param::<BigInt, _>(&self.max_bytes)?,
+                6 => out.push_bind_param::<Array<BigInt>, _>(self.exclude)?,
+                7 => out.push_bind_param::<BigInt, _>(&self.from)?,
+                8 => out.push_bind_param::<Array<Nullable<BigInt>>, _>(self.afters)?,
+                9 => out.push_bind_param::<Array<Nullable<Text>>, _>(self.uppers)?,
+                10 => out.push_bind_param::<Array<Integer>, _>(self.walk)?,
                 // a `$` of a quoted name: text
                 _ => {
                     out.push_sql("$");
@@ -265,7 +335,7 @@ impl QueryFragment<Pg> for BatchStatement<'_> {
                     continue;
                 }
             }
-            rest = &rest[at + 2..];
+            rest = &rest[at + 1 + digits..];
         }
         out.push_sql(rest);
         Ok(())
@@ -273,13 +343,15 @@ impl QueryFragment<Pg> for BatchStatement<'_> {
 }
 
 /// The statement of [`fetch_batches`] for partitions of `count` of `table`, `some` when the
-/// relay reads only some of them; its binds: the partitions, their cursors' `seq`s and
-/// snapshots, the row limit, the byte budget, the released rows to leave out, the lowest
-/// cursor's `seq` (a bind, not a subquery, so that the planner sees where the walk starts).
+/// relay reads only some of them, `passing` when some are in a late pass (and not walked);
+/// its binds: the partitions, their cursors' `seq`s and snapshots, the row limit, the byte
+/// budget, the released rows to leave out, the lowest walked cursor's `seq` (a bind, not a
+/// subquery, so that the planner sees where the walk starts), the late passes' `seq`s and
+/// snapshots (NULL for a cursor without one), the partitions walked.
 ///
-/// The next rows are one walk through the partitions' rows after the lowest cursor; a row at
-/// or below its own partition's cursor (read before: cursors differ after a partition is
-/// taken over) comes back marked `behind = -1` and only tells how far the walk went.
+/// The next rows are one walk through the walked partitions' rows after the lowest cursor; a
+/// row at or below its own partition's cursor (read before: cursors differ after a partition
+/// is taken over) comes back marked `behind = -1` and only tells how far the walk went.
 ///
 /// The late rows are looked up by transaction id alone, behind an `OFFSET 0` fence, and only
 /// then tested for being unpublished: given the test inside, the planner may read every
@@ -287,8 +359,11 @@ impl QueryFragment<Pg> for BatchStatement<'_> {
 /// whenever the statistics see few distinct transaction ids (a backlog written in a few large
 /// transactions): 30 ms a batch with 100,000 rows waiting, against 1.5 ms by `outbox_txid`.
 /// A row is late for its partition when that cursor's snapshot had its transaction in
-/// progress (`xip`, below `xmax`) or not begun (at or above `xmax`): two disjoint parts.
-fn batch_sql(table: &OutboxTable, count: u32, some: bool) -> String {
+/// progress (`xip`, below `xmax`) or not begun (at or above `xmax`): two disjoint parts. In a
+/// late pass, only those after the pass's `seq` that the pass's snapshot sees. Each partition's
+/// late rows come in `seq` order within the row limit and the byte budget, each with how many
+/// there are, so that the caller knows when they did not all fit.
+fn batch_sql(table: &OutboxTable, count: u32, some: bool, passing: bool) -> String {
     const COLUMNS: &str = "o.seq, o.id, o.aggregate_type, o.aggregate_id, o.event_type, \
                            o.payload, o.headers, o.created_at, o.attempts";
     let t = table.quoted();
@@ -298,39 +373,53 @@ fn batch_sql(table: &OutboxTable, count: u32, some: bool) -> String {
     } else {
         "0".to_owned()
     };
-    let part = if some {
+    let owned = if some {
         format!(" AND {p} = ANY($1)")
     } else {
         String::new()
     };
+    let walked = if some || passing {
+        format!(" AND {p} = ANY($10)")
+    } else {
+        String::new()
+    };
     let behind = behind_sql(table);
+    let in_pass = "(c.after IS NULL OR o.seq > c.after) \
+                   AND (c.upper IS NULL OR pg_visible_in_snapshot(o.txid, c.upper))";
     format!(
         "WITH cur AS MATERIALIZED (SELECT pg_current_snapshot() AS s), \
-         c AS MATERIALIZED (SELECT c.p, c.upto, c.snap::pg_snapshot AS snap \
-         FROM unnest($1::int4[], $2::int8[], $3::text[]) AS c(p, upto, snap)) \
+         c AS MATERIALIZED (SELECT c.p, c.upto, c.snap::pg_snapshot AS snap, c.after, \
+         c.upper::pg_snapshot AS upper \
+         FROM unnest($1::int4[], $2::int8[], $3::text[], $8::int8[], $9::text[]) \
+         AS c(p, upto, snap, after, upper)) \
          SELECT {COLUMNS}, o.part, o.p, CASE WHEN o.part = 0 AND o.seq <= c.upto THEN -1 \
-         ELSE {behind} END AS behind, (SELECT s::text FROM cur) AS snap FROM ( \
-         (SELECT {COLUMNS}, 0 AS part, o.p FROM (SELECT {COLUMNS}, o.p, \
+         ELSE {behind} END AS behind, o.late_total, (SELECT s::text FROM cur) AS snap FROM ( \
+         (SELECT {COLUMNS}, 0 AS part, o.p, 0::int8 AS late_total FROM (SELECT {COLUMNS}, o.p, \
          COALESCE(sum(octet_length(o.payload::text)) \
          OVER (ORDER BY o.seq ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before \
          FROM (SELECT {COLUMNS}, {p} AS p FROM {t} o WHERE o.published_at IS NULL \
-         AND o.parked_at IS NULL{part} AND o.seq > $7 \
+         AND o.parked_at IS NULL{walked} AND o.seq > $7 \
          ORDER BY o.seq LIMIT $4) o) o WHERE o.before < $5) \
          UNION ALL \
-         (SELECT {COLUMNS}, 1, c.p FROM (SELECT * FROM {t} o \
+         (SELECT {COLUMNS}, 1, o.p, o.total FROM (SELECT {COLUMNS}, o.p, \
+         row_number() OVER w AS rn, count(*) OVER (PARTITION BY o.p) AS total, \
+         COALESCE(sum(octet_length(o.payload::text)) \
+         OVER (w ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before FROM ( \
+         (SELECT {COLUMNS}, c.p FROM (SELECT * FROM {t} o \
          WHERE o.txid = ANY(ARRAY(SELECT pg_snapshot_xip(c.snap) FROM c)) OFFSET 0) o \
          JOIN c ON c.p = {p} WHERE o.published_at IS NULL AND o.parked_at IS NULL \
          AND o.seq <= c.upto AND o.txid < pg_snapshot_xmax(c.snap) \
-         AND NOT pg_visible_in_snapshot(o.txid, c.snap)) \
+         AND NOT pg_visible_in_snapshot(o.txid, c.snap) AND {in_pass}) \
          UNION ALL \
-         (SELECT {COLUMNS}, 1, c.p FROM (SELECT * FROM {t} o \
+         (SELECT {COLUMNS}, c.p FROM (SELECT * FROM {t} o \
          WHERE o.txid >= (SELECT min(pg_snapshot_xmax(c.snap)) FROM c) \
          AND o.txid < pg_snapshot_xmax(pg_current_snapshot()) OFFSET 0) o \
          JOIN c ON c.p = {p} WHERE o.published_at IS NULL AND o.parked_at IS NULL \
-         AND o.seq <= c.upto AND o.txid >= pg_snapshot_xmax(c.snap)) \
+         AND o.seq <= c.upto AND o.txid >= pg_snapshot_xmax(c.snap) AND {in_pass})) o \
+         WINDOW w AS (PARTITION BY o.p ORDER BY o.seq)) o WHERE o.rn <= $4 AND o.before < $5) \
          UNION ALL \
-         (SELECT {COLUMNS}, 2, {p} FROM {t} o WHERE o.parked_at = 'infinity' \
-         AND o.published_at IS NULL{part} AND o.seq <> ALL($6) ORDER BY o.seq LIMIT $4)) o \
+         (SELECT {COLUMNS}, 2, {p}, 0::int8 FROM {t} o WHERE o.parked_at = 'infinity' \
+         AND o.published_at IS NULL{owned} AND o.seq <> ALL($6) ORDER BY o.seq LIMIT $4)) o \
          LEFT JOIN c ON c.p = o.p"
     )
 }
@@ -346,7 +435,7 @@ pub async fn explain_batch_analyze(
 ) -> QueryResult<Vec<String>> {
     let lines: Vec<super::super::poll::PlanLine> = diesel::sql_query(format!(
         "EXPLAIN (ANALYZE, BUFFERS) {}",
-        batch_sql(table, partition.count, partition.count > 1)
+        batch_sql(table, partition.count, true, false)
     ))
     .bind::<Array<Integer>, _>(vec![partition.index as i32])
     .bind::<Array<BigInt>, _>(vec![cursor.upto_seq])
@@ -355,6 +444,9 @@ pub async fn explain_batch_analyze(
     .bind::<BigInt, _>(i64::MAX)
     .bind::<Array<BigInt>, _>(Vec::<i64>::new())
     .bind::<BigInt, _>(cursor.upto_seq)
+    .bind::<Array<Nullable<BigInt>>, _>(vec![None::<i64>])
+    .bind::<Array<Nullable<Text>>, _>(vec![None::<String>])
+    .bind::<Array<Integer>, _>(vec![partition.index as i32])
     .load(conn)
     .await?;
     Ok(lines.into_iter().map(|l| l.line).collect())

@@ -17,6 +17,13 @@
 //! The new cursor is `(max seq read, cur)`: every row at or below it that `cur` sees was read,
 //! either before (seen by `S`) or now.
 //!
+//! Late rows come within the batch's limits (rows and bytes), like the next ones. When a
+//! partition has more than that (a large transaction held open across batches commits), its
+//! cursor keeps `(W, S)` and starts a [`LatePass`] at the statement's snapshot `S2`: the next
+//! batches read the late rows `S2` sees after the pass's `seq`, in parts, in `seq` order, and
+//! none of the partition's next rows; once through, the cursor is `(W, S2)`, and what `S2` did
+//! not see is late for it as before.
+//!
 //! A relay reads every partition it owns with one statement ([`fetch_batches`]): the next rows
 //! are one walk through those partitions' rows after the lowest of their cursors, and each
 //! cursor moves to where the walk ended, since the walk saw every row of each up to there (a
@@ -49,25 +56,66 @@ pub(crate) use coverage::Coverage;
 pub use retention::*;
 
 /// Where a partition's reading stands: every row with `seq <= upto_seq` that the snapshot
-/// `snap` sees has been read.
-#[derive(Debug, Clone, PartialEq, Eq, QueryableByName)]
+/// `snap` sees has been read, and, while a [`LatePass`] runs, the late rows it has read too.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Cursor {
     /// The highest `seq` read.
-    #[diesel(sql_type = BigInt)]
     pub upto_seq: i64,
     /// The snapshot the rows were read at, as PostgreSQL writes a `pg_snapshot`
     /// (`xmin:xmax:xip,…`).
-    #[diesel(sql_type = Text)]
     pub snap: String,
+    /// The late rows being read in parts, when they were more than a batch holds.
+    pub late: Option<LatePass>,
+}
+
+/// Late rows read in parts: more committed at or below a cursor's `seq` than a batch holds
+/// (a large transaction held open across batches). The pass reads, in `seq` order and within
+/// the batch's limits, the late rows that its snapshot `snap` sees, after `after_seq`; the
+/// partition's next rows wait until it ends, and its cursor then becomes `(upto_seq, snap)`.
+/// A pass lives in the relay's memory only: the progress table records cursors without it,
+/// and a relay that stops during a pass leaves it to be read again from its start (what was
+/// published is in the stream already, and JetStream or the look-ups drop it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LatePass {
+    /// The highest `seq` the pass has read.
+    pub after_seq: i64,
+    /// The snapshot of the statement that found the late rows: the pass reads what it sees.
+    pub snap: String,
+}
+
+/// A cursor as the progress table stores it.
+#[derive(QueryableByName)]
+struct StoredCursor {
+    #[diesel(sql_type = BigInt)]
+    upto_seq: i64,
+    #[diesel(sql_type = Text)]
+    snap: String,
+}
+
+impl From<StoredCursor> for Cursor {
+    fn from(c: StoredCursor) -> Cursor {
+        Cursor::at(c.upto_seq, c.snap)
+    }
 }
 
 impl Cursor {
     /// A partition nothing was read from: no `seq` at or below 0, a snapshot that sees nothing.
     pub fn start() -> Cursor {
+        Cursor::at(0, "1:1:")
+    }
+
+    /// The rows with `seq <= upto_seq` that `snap` sees.
+    pub fn at(upto_seq: i64, snap: impl Into<String>) -> Cursor {
         Cursor {
-            upto_seq: 0,
-            snap: "1:1:".to_owned(),
+            upto_seq,
+            snap: snap.into(),
+            late: None,
         }
+    }
+
+    /// What the progress table records of it: the cursor without its late pass.
+    pub fn recorded(&self) -> Cursor {
+        Cursor::at(self.upto_seq, self.snap.clone())
     }
 }
 
@@ -115,7 +163,7 @@ pub async fn load_cursor(
     table: &OutboxTable,
     partition: Partition,
 ) -> QueryResult<Option<Cursor>> {
-    let rows: Vec<Cursor> = diesel::sql_query(format!(
+    let rows: Vec<StoredCursor> = diesel::sql_query(format!(
         "SELECT upto_seq, snap::text AS snap FROM {} WHERE partitions = $1 AND partition = $2 \
          ORDER BY id DESC LIMIT 1",
         progress_table(table)
@@ -124,7 +172,7 @@ pub async fn load_cursor(
     .bind::<Integer, _>(partition.index as i32)
     .load(conn)
     .await?;
-    Ok(rows.into_iter().next())
+    Ok(rows.into_iter().next().map(Cursor::from))
 }
 
 /// The first key of the transaction advisory lock that serialises changing a table's
@@ -171,7 +219,7 @@ pub async fn start_cursor(
         };
         // the start every new partition shares: the lowest seq, and a snapshot that sees a
         // transaction only when every old one does
-        let start: Cursor = diesel::sql_query(format!(
+        let start: StoredCursor = diesel::sql_query(format!(
             "WITH {cte}, lim AS (SELECT min(upto_seq) AS w, min(pg_snapshot_xmin(snap)) AS xmin, \
              min(pg_snapshot_xmax(snap)) AS xmax FROM c) \
              SELECT lim.w AS upto_seq, (lim.xmin::text || ':' || lim.xmax::text || ':' || \
@@ -207,7 +255,7 @@ pub async fn start_cursor(
             marked,
             "progress moved to the new partition count"
         );
-        Ok(start)
+        Ok(Cursor::from(start))
     })
     .await
 }

@@ -29,7 +29,7 @@ impl Pending {
     /// snapshot of the batch with the highest `seq` acked; otherwise none.
     fn reached(&self) -> Option<db::Cursor> {
         let Some(&first_unacked) = self.unacked.first() else {
-            return Some(self.after.clone());
+            return Some(self.after.recorded());
         };
         if first_unacked <= self.before {
             return None;
@@ -42,10 +42,7 @@ impl Pending {
             .max()
             .unwrap_or(self.before)
             .max(self.before);
-        Some(db::Cursor {
-            upto_seq: acked,
-            snap: self.after.snap.clone(),
-        })
+        Some(db::Cursor::at(acked, self.after.snap.clone()))
     }
 }
 
@@ -188,7 +185,8 @@ impl Progress {
             let mut reached = None;
             while let Some(front) = part.pending.front() {
                 if front.unacked.is_empty() {
-                    reached = Some(front.after.clone());
+                    // a late pass is not recorded: its cursor's place is
+                    reached = Some(front.after.recorded());
                     part.pending.pop_front();
                 } else {
                     if partial {
@@ -242,10 +240,7 @@ mod tests {
     use super::*;
 
     fn cursor(upto_seq: i64, snap: &str) -> db::Cursor {
-        db::Cursor {
-            upto_seq,
-            snap: snap.to_owned(),
-        }
+        db::Cursor::at(upto_seq, snap)
     }
 
     #[test]
