@@ -969,6 +969,29 @@ async fn a_batch_finds_late_rows_by_transaction_id_behind_a_backlog_of_few_trans
 }
 
 /// The `seq`s of `batch`'s rows from `source`.
+/// A transaction that runs `insert` and stays open until the returned function is called,
+/// which commits it.
+fn hold_open(db: &TestDb, insert: &str) -> impl FnOnce() {
+    let insert = insert.to_owned();
+    let mut open = db.conn();
+    let (done, wait) = std::sync::mpsc::channel::<()>();
+    let (inserted, inserted_wait) = std::sync::mpsc::channel::<()>();
+    let holder = std::thread::spawn(move || {
+        open.transaction(|c| {
+            diesel::sql_query(insert).execute(c)?;
+            inserted.send(()).ok();
+            wait.recv().ok();
+            Ok::<_, diesel::result::Error>(())
+        })
+        .expect("the held transaction commits");
+    });
+    inserted_wait.recv().expect("the held rows inserted");
+    move || {
+        done.send(()).expect("commit the held transaction");
+        holder.join().expect("the holder");
+    }
+}
+
 fn seqs_of(batch: &outbox_diesel::relay::Batch, source: outbox_diesel::relay::Source) -> Vec<i64> {
     batch
         .rows
@@ -1042,24 +1065,12 @@ async fn one_statement_reads_partitions_at_different_cursors_each_row_once() {
     );
 
     // a transaction held open across the next batch: its rows are late for their partition
-    let mut open = db.conn();
-    let (tx_done, tx_wait) = std::sync::mpsc::channel::<()>();
-    let (inserted, inserted_wait) = std::sync::mpsc::channel::<()>();
-    let holder = std::thread::spawn(move || {
-        open.transaction(|c| {
-            diesel::sql_query(
-                "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
-                 SELECT gen_random_uuid(), 'order', 'o-' || i, 'order.placed', '{}' \
-                 FROM generate_series(1, 10) AS i",
-            )
-            .execute(c)?;
-            inserted.send(()).ok();
-            tx_wait.recv().ok();
-            Ok::<_, diesel::result::Error>(())
-        })
-        .expect("the held transaction commits");
-    });
-    inserted_wait.recv().expect("the held rows inserted");
+    let commit = hold_open(
+        &db,
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), 'order', 'o-' || i, 'order.placed', '{}' \
+         FROM generate_series(1, 10) AS i",
+    );
     insert(20);
     let cursors: Vec<(u32, Cursor)> = first.iter().map(|(p, b)| (*p, b.next.clone())).collect();
     let second = fetch_batches(&mut conn, &table, 2, &cursors, &[], 1_000, i64::MAX)
@@ -1073,8 +1084,7 @@ async fn one_statement_reads_partitions_at_different_cursors_each_row_once() {
     let mut got_sorted = got.clone();
     got_sorted.sort_unstable();
     assert_eq!(got_sorted, later, "the committed rows after the held ones");
-    tx_done.send(()).expect("commit the held transaction");
-    holder.join().expect("the holder");
+    commit();
     let cursors: Vec<(u32, Cursor)> = second.iter().map(|(p, b)| (*p, b.next.clone())).collect();
     let third = fetch_batches(&mut conn, &table, 2, &cursors, &[], 1_000, i64::MAX)
         .await
@@ -1136,29 +1146,16 @@ async fn a_late_transaction_larger_than_a_batch_is_read_in_parts_within_its_limi
     assert_eq!(returned.len(), 20);
 
     // 60 rows over both partitions in a transaction held open while later rows are read
-    let mut open = db.conn();
-    let (tx_done, tx_wait) = std::sync::mpsc::channel::<()>();
-    let (inserted, inserted_wait) = std::sync::mpsc::channel::<()>();
-    let holder = std::thread::spawn(move || {
-        open.transaction(|c| {
-            diesel::sql_query(
-                "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
-                 SELECT gen_random_uuid(), 'bulk', 'b-' || (i % 7), 'bulk.loaded', \
-                 jsonb_build_object('pad', repeat('x', 80)) FROM generate_series(1, 60) AS i",
-            )
-            .execute(c)?;
-            inserted.send(()).ok();
-            tx_wait.recv().ok();
-            Ok::<_, diesel::result::Error>(())
-        })
-        .expect("the held transaction commits");
-    });
-    inserted_wait.recv().expect("the held rows inserted");
+    let commit = hold_open(
+        &db,
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), 'bulk', 'b-' || (i % 7), 'bulk.loaded', \
+         jsonb_build_object('pad', repeat('x', 80)) FROM generate_series(1, 60) AS i",
+    );
     insert(10);
     returned.extend(step(&mut cursors, 100, i64::MAX).await);
     assert_eq!(returned.len(), 30, "the rows after the held ones");
-    tx_done.send(()).expect("commit the held transaction");
-    holder.join().expect("the holder");
+    commit();
     // rows after the commit: they wait for their partition's pass
     insert(10);
 
@@ -1217,29 +1214,16 @@ async fn a_late_transaction_larger_than_a_batch_is_read_in_parts_within_its_limi
     }
 
     // a byte budget of three payloads: three late rows at most per part
-    let mut open = db.conn();
-    let (tx_done, tx_wait) = std::sync::mpsc::channel::<()>();
-    let (inserted, inserted_wait) = std::sync::mpsc::channel::<()>();
-    let holder = std::thread::spawn(move || {
-        open.transaction(|c| {
-            diesel::sql_query(
-                "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
-                 SELECT gen_random_uuid(), 'big', 'g-1', 'big.loaded', \
-                 jsonb_build_object('pad', repeat('y', 1000)) FROM generate_series(1, 10) AS i",
-            )
-            .execute(c)?;
-            inserted.send(()).ok();
-            tx_wait.recv().ok();
-            Ok::<_, diesel::result::Error>(())
-        })
-        .expect("the held transaction commits");
-    });
-    inserted_wait.recv().expect("the held rows inserted");
+    let commit = hold_open(
+        &db,
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), 'big', 'g-1', 'big.loaded', \
+         jsonb_build_object('pad', repeat('y', 1000)) FROM generate_series(1, 10) AS i",
+    );
     insert(4);
     let got = step(&mut cursors, 100, i64::MAX).await;
     assert_eq!(got.len(), 4);
-    tx_done.send(()).expect("commit the held transaction");
-    holder.join().expect("the holder");
+    commit();
     let size = db.scalar(
         "SELECT octet_length(payload::text) FROM outbox WHERE aggregate_type = 'big' LIMIT 1",
     );
@@ -1388,6 +1372,67 @@ async fn unordered_workers_hold_large_payloads_within_their_byte_budget() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// 21. `outbox-relay status` as a role that may not read the lock table (its database revoked
+// `pg_lock_status` from PUBLIC, as a hardened one may): the membership and ownership queries
+// failed, and status printed `relays 0` and "no relay holds a partition" while a relay held
+// it. Now it says that those figures are unknown, and why (`unread` in the JSON).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_names_the_figures_it_cannot_read_instead_of_reporting_none() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let _relay = Relay::start(relay_command(&db, &stream, &[]));
+    wait_until(
+        Duration::from_secs(20),
+        "the relay owns its partition",
+        || async { support::partition_owners(&db).len() == 1 },
+    )
+    .await;
+    let role = Role::relay(&db);
+    db.execute(
+        "REVOKE EXECUTE ON FUNCTION pg_lock_status() FROM PUBLIC",
+        "revoke the lock table from PUBLIC in this database",
+    );
+    let status = |args: &[&str]| {
+        let out = Command::new(support::relay_bin())
+            .env_clear()
+            .arg("status")
+            .args(["--database-url", &role.url()])
+            .args(args)
+            .output()
+            .expect("run outbox-relay status");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, text, err) = status(&[]);
+    assert_eq!(code, Some(0), "the backlog is readable: {text}{err}");
+    for line in ["relays           unknown: ", "owners           unknown: "] {
+        assert!(text.contains(line), "{line:?} in:\n{text}");
+    }
+    assert!(
+        text.contains("pg_lock_status"),
+        "the server's reason:\n{text}"
+    );
+    assert!(!text.contains("relays           0"), "{text}");
+    let (_, json, _) = status(&["--json"]);
+    let json: serde_json::Value = serde_json::from_str(&json).expect("status --json");
+    let unread: Vec<&str> = json["unread"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|u| u["figure"].as_str()).collect())
+        .unwrap_or_default();
+    assert_eq!(unread, ["owners", "relays"], "{json}");
+    // the table's owner reads everything: no `unread`
+    let out = Command::new(support::relay_bin())
+        .env_clear()
+        .args(["status", "--json", "--database-url", &db.url])
+        .output()
+        .expect("run outbox-relay status");
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("status --json");
+    assert!(json.get("unread").is_none(), "{json}");
+    assert_eq!(json["relays"].as_array().map(Vec::len), Some(1), "{json}");
+}
+
 // 14. decisions on the server's state and codes, not on its words
 
 /// Connects to `url` for the reader (diesel-async).

@@ -128,6 +128,35 @@ pub struct Status {
     pub table_stats: Option<db::TableStats>,
     /// The oldest open snapshot of the database.
     pub oldest_transaction: Option<db::OldestTransaction>,
+    /// The figures that could not be read, each with the server's reason: they are left out
+    /// above (`owners` and `relays` empty, `table_stats` and `oldest_transaction` null), which
+    /// does not mean that there are none. Absent from the JSON when everything was read.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub unread: Vec<Unread>,
+}
+
+/// A figure of a [`Status`] that could not be read.
+#[derive(Debug, Clone, serde::Serialize)]
+#[non_exhaustive]
+pub struct Unread {
+    /// The figure: `owners`, `relays`, `table_stats` or `oldest_transaction`.
+    pub figure: &'static str,
+    /// Why, as the server said it.
+    pub error: String,
+}
+
+/// The figure `result` read, or `None` with the reason in `unread`.
+fn figure<T>(unread: &mut Vec<Unread>, figure: &'static str, result: QueryResult<T>) -> Option<T> {
+    match result {
+        Ok(v) => Some(v),
+        Err(e) => {
+            unread.push(Unread {
+                figure,
+                error: e.to_string(),
+            });
+            None
+        }
+    }
 }
 
 /// One partition's backlog and owner in a [`Status`].
@@ -165,11 +194,14 @@ fn partition_count(relays: &[db::Member]) -> Option<u32> {
 
 /// Reads the state of the outbox table and its relays. Only the backlog must be readable;
 /// figures the role may not read (another role's sessions, a slot without REPLICATION) are
-/// left out.
+/// left out, and those whose query failed are named in [`Status::unread`].
 pub async fn status(conn: &mut AsyncPgConnection, options: &StatusOptions) -> QueryResult<Status> {
     let table = &options.table;
-    let owners = db::partition_owners(conn, table).await.unwrap_or_default();
-    let relays = db::members(conn, table).await.unwrap_or_default();
+    let mut unread = Vec::new();
+    let owners = db::partition_owners(conn, table).await;
+    let owners = figure(&mut unread, "owners", owners).unwrap_or_default();
+    let relays = db::members(conn, table).await;
+    let relays = figure(&mut unread, "relays", relays).unwrap_or_default();
     let partition_count = options.partitions.or_else(|| partition_count(&relays));
     let (backlog, parts) = match partition_count {
         // the table's and the partitions' figures from one snapshot: they add up
@@ -187,8 +219,11 @@ pub async fn status(conn: &mut AsyncPgConnection, options: &StatusOptions) -> Qu
             }
         })
         .collect();
-    let table_stats = db::table_stats(conn, table).await.ok().flatten();
-    let oldest_transaction = db::oldest_transaction(conn).await.ok().flatten();
+    let table_stats = db::table_stats(conn, table).await;
+    let table_stats = figure(&mut unread, "table_stats", table_stats).flatten();
+    let oldest_transaction = db::oldest_transaction(conn).await;
+    let oldest_transaction =
+        figure(&mut unread, "oldest_transaction", oldest_transaction).flatten();
     let slot = slot_status(conn, options).await;
     let stall_after = options.stall_after.as_secs_f64();
     let slot_stalled = slot
@@ -211,6 +246,7 @@ pub async fn status(conn: &mut AsyncPgConnection, options: &StatusOptions) -> Qu
         relays,
         table_stats,
         oldest_transaction,
+        unread,
     })
 }
 
@@ -310,7 +346,9 @@ impl fmt::Display for Status {
             self.stalled,
             Duration::from_secs_f64(self.stall_after_seconds)
         )?;
-        if self.owners.is_empty() {
+        if let Some(u) = self.unread("owners") {
+            writeln!(f, "owners           unknown: {}", u.error)?;
+        } else if self.owners.is_empty() {
             writeln!(f, "owners           none: no relay holds a partition")?;
         }
         for o in &self.owners {
@@ -334,7 +372,10 @@ impl fmt::Display for Status {
 impl Status {
     /// The relays, partitions, vacuum and snapshot figures.
     fn fmt_operations(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(f, "relays           {}", self.relays.len())?;
+        match self.unread("relays") {
+            Some(u) => writeln!(f, "relays           unknown: {}", u.error)?,
+            None => writeln!(f, "relays           {}", self.relays.len())?,
+        }
         for r in &self.relays {
             writeln!(
                 f,
@@ -376,7 +417,10 @@ impl Status {
                     t.autovacuum_count
                 )?;
             }
-            None => writeln!(f, "table rows       no statistics yet")?,
+            None => match self.unread("table_stats") {
+                Some(u) => writeln!(f, "table rows       unknown: {}", u.error)?,
+                None => writeln!(f, "table rows       no statistics yet")?,
+            },
         }
         match &self.oldest_transaction {
             Some(x) => writeln!(
@@ -393,8 +437,16 @@ impl Status {
                     ""
                 }
             ),
-            None => writeln!(f, "oldest snapshot  none open"),
+            None => match self.unread("oldest_transaction") {
+                Some(u) => writeln!(f, "oldest snapshot  unknown: {}", u.error),
+                None => writeln!(f, "oldest snapshot  none open"),
+            },
         }
+    }
+
+    /// Why `figure` could not be read, if it could not.
+    fn unread(&self, figure: &str) -> Option<&Unread> {
+        self.unread.iter().find(|u| u.figure == figure)
     }
 }
 
