@@ -295,9 +295,12 @@ pub async fn explain_poll(
     count: u32,
     limit: i64,
 ) -> QueryResult<Vec<String>> {
-    let lines: Vec<PlanLine> = Explain(polled(table, partitions, count, limit))
-        .load(conn)
-        .await?;
+    let lines: Vec<PlanLine> = Explain {
+        query: polled(table, partitions, count, limit),
+        analyze: false,
+    }
+    .load(conn)
+    .await?;
     Ok(lines.into_iter().map(|l| l.line).collect())
 }
 
@@ -310,37 +313,21 @@ pub async fn explain_poll_analyze(
     count: u32,
     limit: i64,
 ) -> QueryResult<Vec<String>> {
-    let lines: Vec<PlanLine> = ExplainAnalyze(polled(table, partitions, count, limit))
-        .load(conn)
-        .await?;
+    let lines: Vec<PlanLine> = Explain {
+        query: polled(table, partitions, count, limit),
+        analyze: true,
+    }
+    .load(conn)
+    .await?;
     Ok(lines.into_iter().map(|l| l.line).collect())
 }
 
-/// `EXPLAIN (ANALYZE, BUFFERS)` in front of a query.
+/// `EXPLAIN` in front of a query, with `ANALYZE, BUFFERS` when `analyze` (the query runs).
 #[derive(Debug)]
-struct ExplainAnalyze<Q>(Q);
-
-impl<Q> QueryId for ExplainAnalyze<Q> {
-    type QueryId = ();
-    const HAS_STATIC_QUERY_ID: bool = false;
+struct Explain<Q> {
+    query: Q,
+    analyze: bool,
 }
-
-impl<Q> Query for ExplainAnalyze<Q> {
-    type SqlType = diesel::sql_types::Untyped;
-}
-
-impl<Q: QueryFragment<Pg>> QueryFragment<Pg> for ExplainAnalyze<Q> {
-    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        out.push_sql("EXPLAIN (ANALYZE, BUFFERS) ");
-        self.0.walk_ast(out.reborrow())
-    }
-}
-
-impl<Q, Conn> diesel::RunQueryDsl<Conn> for ExplainAnalyze<Q> {}
-
-/// `EXPLAIN` in front of a query.
-#[derive(Debug)]
-struct Explain<Q>(Q);
 
 impl<Q> QueryId for Explain<Q> {
     type QueryId = ();
@@ -353,8 +340,12 @@ impl<Q> Query for Explain<Q> {
 
 impl<Q: QueryFragment<Pg>> QueryFragment<Pg> for Explain<Q> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        out.push_sql("EXPLAIN ");
-        self.0.walk_ast(out.reborrow())
+        out.push_sql(if self.analyze {
+            "EXPLAIN (ANALYZE, BUFFERS) "
+        } else {
+            "EXPLAIN "
+        });
+        self.query.walk_ast(out.reborrow())
     }
 }
 

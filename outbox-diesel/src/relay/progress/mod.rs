@@ -72,9 +72,10 @@ pub struct Cursor {
 /// (a large transaction held open across batches). The pass reads, in `seq` order and within
 /// the batch's limits, the late rows that its snapshot `snap` sees, after `after_seq`; the
 /// partition's next rows wait until it ends, and its cursor then becomes `(upto_seq, snap)`.
-/// A pass lives in the relay's memory only: the progress table records cursors without it,
-/// and a relay that stops during a pass leaves it to be read again from its start (what was
-/// published is in the stream already, and JetStream or the look-ups drop it).
+/// A pass lives in the relay's memory only: the progress table records cursors without it
+/// (so `<table>_audit` shows the pass's rows published once it ends), and a relay that stops
+/// during a pass leaves it to be read again from its start (what was published is in the
+/// stream already, and JetStream or the look-ups drop it).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LatePass {
     /// The highest `seq` the pass has read.
