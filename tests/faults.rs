@@ -441,6 +441,28 @@ fn distinct_owners(db: &TestDb) -> (usize, usize) {
 async fn report(test: &str, db: &TestDb, stream: &TestStream) -> Report {
     let r = checker::check(db, stream).await;
     eprintln!("{test}: {r}");
+    if !r.missing_seqs.is_empty() {
+        // what the failure's reader needs: the missing rows' transactions and the slot's record
+        let seqs = format!("{:?}", r.missing_seqs)
+            .trim_matches(['[', ']'])
+            .to_owned();
+        for sql in [
+            format!(
+                "SELECT seq || ' txid ' || txid || ' created ' || created_at || \
+                 ' parked ' || COALESCE(parked_at::text, '-') FROM outbox WHERE seq IN ({seqs})"
+            ),
+            "SELECT slot_name || ' ' || state || ' confirmed ' || COALESCE(confirmed_lsn::text, '-') \
+             || ' updated ' || updated_at FROM outbox_relay_slots"
+                .to_owned(),
+            "SELECT slot_name || ' confirmed ' || COALESCE(confirmed_flush_lsn::text, '-') || \
+             ' restart ' || COALESCE(restart_lsn::text, '-') FROM pg_replication_slots"
+                .to_owned(),
+        ] {
+            for line in db.strings(&sql) {
+                eprintln!("{test}: {line}");
+            }
+        }
+    }
     r
 }
 

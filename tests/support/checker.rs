@@ -94,6 +94,8 @@ pub struct Report {
     pub marked_not_in_stream: usize,
     /// The longest time an event waited from its recording to its storing in the stream.
     pub max_wait: Duration,
+    /// The `seq`s of the first missing events (up to 20), for a failure's report.
+    pub missing_seqs: Vec<i64>,
 }
 
 impl Report {
@@ -155,7 +157,11 @@ impl fmt::Display for Report {
             self.order_violations,
             self.marked_not_in_stream,
             self.max_wait.as_secs_f64()
-        )
+        )?;
+        if !self.missing_seqs.is_empty() {
+            write!(f, "; missing seqs (first 20) {:?}", self.missing_seqs)?;
+        }
+        Ok(())
     }
 }
 
@@ -315,10 +321,15 @@ pub fn compare(events: &[DbEvent], messages: &[StreamMessage]) -> Report {
             *top = seq;
         }
     }
-    report.missing = committed
-        .keys()
-        .filter(|id| !seen.contains(id.as_str()))
-        .count();
+    let mut missing: Vec<i64> = committed
+        .iter()
+        .filter(|(id, _)| !seen.contains(id.as_str()))
+        .map(|(_, e)| e.seq.unwrap_or_default())
+        .collect();
+    report.missing = missing.len();
+    missing.sort_unstable();
+    missing.truncate(20);
+    report.missing_seqs = missing;
     report.marked_not_in_stream = events
         .iter()
         .filter(|e| e.in_outbox && e.marked && !seen.contains(e.id.to_string().as_str()))

@@ -129,6 +129,20 @@ impl TestDb {
             .expect(sql);
         r.v
     }
+
+    /// Runs `sql`, whose one column is text, and returns its rows; none when it fails (a
+    /// table that does not exist), for a failure's report.
+    pub fn strings(&self, sql: &str) -> Vec<String> {
+        #[derive(QueryableByName)]
+        struct V {
+            #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Text>)]
+            v: Option<String>,
+        }
+        diesel::sql_query(format!("SELECT q.v::text AS v FROM ({sql}) AS q(v)"))
+            .load::<V>(&mut self.conn())
+            .map(|rows| rows.into_iter().filter_map(|r| r.v).collect())
+            .unwrap_or_default()
+    }
 }
 
 impl Drop for TestDb {

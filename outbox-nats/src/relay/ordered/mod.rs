@@ -188,6 +188,14 @@ impl Ordered {
                             "rows held back behind a parked row of their aggregate"
                         );
                     }
+                    match (&cursor.late, &batch.next.late) {
+                        (None, Some(_)) => info!(
+                            partition = p,
+                            "more late rows than a batch holds (a large transaction committed after later rows were read): they are read in parts, and the partition's next rows after them"
+                        ),
+                        (Some(_), None) => debug!(partition = p, "late rows read"),
+                        _ => {}
+                    }
                     let partition = Partition {
                         index: p,
                         count: cfg.partitions,
