@@ -346,7 +346,7 @@ impl fmt::Display for Status {
             self.stalled,
             Duration::from_secs_f64(self.stall_after_seconds)
         )?;
-        if let Some(u) = self.unread("owners") {
+        if let Some(u) = self.why_unread("owners") {
             writeln!(f, "owners           unknown: {}", u.error)?;
         } else if self.owners.is_empty() {
             writeln!(f, "owners           none: no relay holds a partition")?;
@@ -372,7 +372,7 @@ impl fmt::Display for Status {
 impl Status {
     /// The relays, partitions, vacuum and snapshot figures.
     fn fmt_operations(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.unread("relays") {
+        match self.why_unread("relays") {
             Some(u) => writeln!(f, "relays           unknown: {}", u.error)?,
             None => writeln!(f, "relays           {}", self.relays.len())?,
         }
@@ -417,7 +417,7 @@ impl Status {
                     t.autovacuum_count
                 )?;
             }
-            None => match self.unread("table_stats") {
+            None => match self.why_unread("table_stats") {
                 Some(u) => writeln!(f, "table rows       unknown: {}", u.error)?,
                 None => writeln!(f, "table rows       no statistics yet")?,
             },
@@ -437,7 +437,7 @@ impl Status {
                     ""
                 }
             ),
-            None => match self.unread("oldest_transaction") {
+            None => match self.why_unread("oldest_transaction") {
                 Some(u) => writeln!(f, "oldest snapshot  unknown: {}", u.error),
                 None => writeln!(f, "oldest snapshot  none open"),
             },
@@ -445,7 +445,7 @@ impl Status {
     }
 
     /// Why `figure` could not be read, if it could not.
-    fn unread(&self, figure: &str) -> Option<&Unread> {
+    fn why_unread(&self, figure: &str) -> Option<&Unread> {
         self.unread.iter().find(|u| u.figure == figure)
     }
 }
