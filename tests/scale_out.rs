@@ -256,13 +256,21 @@ async fn held_open_transaction_is_not_skipped_and_keeps_commit_order_unordered()
 /// once, in `seq` order within each aggregate, before what its aggregates record after it.
 #[tokio::test]
 async fn a_late_transaction_of_many_batches_is_published_once_and_in_order() {
+    late_transaction_of_many_batches(&[]).await;
+}
+
+/// The same with `--delete-published`: the pass's rows are deleted as they are acked, and the
+/// pass goes on past them.
+#[tokio::test]
+async fn a_late_transaction_of_many_batches_is_published_once_and_in_order_deleting() {
+    late_transaction_of_many_batches(&["--delete-published"]).await;
+}
+
+async fn late_transaction_of_many_batches(extra: &[&str]) {
     let (db, stream) = (TestDb::new(), TestStream::new());
-    let _relay = relay(
-        "relay",
-        &db,
-        &stream,
-        &["--partitions", "2", "--batch-size", "20"],
-    );
+    let mut args = vec!["--partitions", "2", "--batch-size", "20"];
+    args.extend_from_slice(extra);
+    let _relay = relay("relay", &db, &stream, &args);
     let bulk = |from: i64, to: i64| {
         format!(
             "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
@@ -293,7 +301,18 @@ async fn a_late_transaction_of_many_batches_is_published_once_and_in_order() {
         .expect("commit the held rows");
     // each bulk aggregate records once more after the commit
     db.execute(&bulk(501, 505), "after the commit");
-    wait_published(&db, 555, Duration::from_secs(60)).await;
+    wait_until(Duration::from_secs(60), "555 messages", || async {
+        stream.count().await >= 555
+    })
+    .await;
+    if extra.contains(&"--delete-published") {
+        wait_until(Duration::from_secs(20), "the rows deleted", || async {
+            db.scalar("SELECT count(*) FROM outbox") == 0
+        })
+        .await;
+    } else {
+        wait_published(&db, 555, Duration::from_secs(20)).await;
+    }
     let got = stream.read_all().await;
     let ids: HashSet<&str> = got.iter().map(|m| m.msg_id.as_str()).collect();
     assert_eq!((got.len(), ids.len()), (555, 555), "each row once");
