@@ -270,7 +270,7 @@ async fn late_transaction_of_many_batches(extra: &[&str]) {
     let (db, stream) = (TestDb::new(), TestStream::new());
     let mut args = vec!["--partitions", "2", "--batch-size", "20"];
     args.extend_from_slice(extra);
-    let _relay = relay("relay", &db, &stream, &args);
+    let (_relay, metrics) = support::relay_with_metrics(&db, &stream, &args);
     let bulk = |from: i64, to: i64| {
         format!(
             "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
@@ -316,6 +316,15 @@ async fn late_transaction_of_many_batches(extra: &[&str]) {
     let got = stream.read_all().await;
     let ids: HashSet<&str> = got.iter().map(|m| m.msg_id.as_str()).collect();
     assert_eq!((got.len(), ids.len()), (555, 555), "each row once");
+    let (_, body) = support::http_get(&metrics, "/metrics")
+        .await
+        .expect("the relay's metrics");
+    let passes: f64 = body
+        .lines()
+        .find_map(|l| l.strip_prefix("outbox_late_passes_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0);
+    assert!(passes >= 1.0, "a late pass counted:\n{body}");
     let mut per_aggregate: HashMap<&str, Vec<i64>> = HashMap::new();
     for m in got.iter().filter(|m| m.aggregate_id.starts_with("b-")) {
         per_aggregate

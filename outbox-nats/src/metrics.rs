@@ -20,6 +20,10 @@ pub const ROWS_PARKED: &str = "outbox_rows_parked_total";
 pub const COMMIT_TO_ACK: &str = "outbox_commit_to_ack_seconds";
 /// Histogram: rows per batch.
 pub const BATCH_ROWS: &str = "outbox_batch_rows";
+/// Counter (ordered mode): late passes started: a transaction committed more rows at or below
+/// a partition's cursor than a batch holds, and they are read in parts (see
+/// `outbox_diesel::relay::LatePass`).
+pub const LATE_PASSES: &str = "outbox_late_passes_total";
 /// Gauge: partitions this relay owns.
 pub const PARTITIONS_OWNED: &str = "outbox_partitions_owned";
 /// Gauge: unpublished rows.

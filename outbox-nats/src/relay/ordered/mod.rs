@@ -189,10 +189,13 @@ impl Ordered {
                         );
                     }
                     match (&cursor.late, &batch.next.late) {
-                        (None, Some(_)) => info!(
-                            partition = p,
-                            "more late rows than a batch holds (a large transaction committed after later rows were read): they are read in parts, and the partition's next rows after them"
-                        ),
+                        (None, Some(_)) => {
+                            metrics::counter!(m::LATE_PASSES).increment(1);
+                            info!(
+                                partition = p,
+                                "more late rows than a batch holds (a large transaction committed after later rows were read): they are read in parts, and the partition's next rows after them"
+                            );
+                        }
                         (Some(_), None) => debug!(partition = p, "late rows read"),
                         _ => {}
                     }
