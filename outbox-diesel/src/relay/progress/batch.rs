@@ -165,24 +165,9 @@ pub async fn fetch_batches(
     }
     .load(conn)
     .await?;
-    let Some(snap) = <[Fetched]>::first(&fetched).map(|f| f.snap.clone()) else {
-        // nothing to read: a late pass has ended, the other cursors stay
-        return Ok(cursors
-            .iter()
-            .map(|(p, c)| {
-                let next = match &c.late {
-                    Some(pass) => Cursor::at(c.upto_seq, pass.snap.clone()),
-                    None => c.clone(),
-                };
-                let batch = Batch {
-                    rows: Vec::new(),
-                    next,
-                    held: 0,
-                };
-                (*p, batch)
-            })
-            .collect());
-    };
+    // the statement's snapshot, when it returned a row; with none, nothing was there to read:
+    // a late pass has ended, the other cursors stay
+    let snap = <[Fetched]>::first(&fetched).map(|f| f.snap.clone());
     // how far the walk went: every row of the walked partitions up to there that `snap` sees
     let walked = fetched
         .iter()
@@ -201,22 +186,26 @@ pub async fn fetch_batches(
     let mut passing: HashSet<i32> = HashSet::new();
     for (p, c) in cursors {
         let (returned, highest, total) = late.get(&(*p as i32)).copied().unwrap_or((0, 0, 0));
-        let next = if returned < total {
-            passing.insert(*p as i32);
-            let snap = c.late.as_ref().map_or(&snap, |pass| &pass.snap);
-            Cursor {
-                upto_seq: c.upto_seq,
-                snap: c.snap.clone(),
-                late: Some(LatePass {
-                    after_seq: highest,
-                    snap: snap.clone(),
-                }),
+        let next = match (&c.late, &snap) {
+            // late rows left over (so a row came back, and with it the snapshot): a pass
+            (pass, Some(snap)) if returned < total => {
+                passing.insert(*p as i32);
+                let snap = pass.as_ref().map_or(snap, |pass| &pass.snap);
+                Cursor {
+                    upto_seq: c.upto_seq,
+                    snap: c.snap.clone(),
+                    late: Some(LatePass {
+                        after_seq: highest,
+                        snap: snap.clone(),
+                    }),
+                }
             }
-        } else if let Some(pass) = &c.late {
             // the pass has read every late row its snapshot sees
-            Cursor::at(c.upto_seq, pass.snap.clone())
-        } else {
-            Cursor::at(walked.unwrap_or(c.upto_seq).max(c.upto_seq), snap.clone())
+            (Some(pass), _) => Cursor::at(c.upto_seq, pass.snap.clone()),
+            (None, Some(snap)) => {
+                Cursor::at(walked.unwrap_or(c.upto_seq).max(c.upto_seq), snap.clone())
+            }
+            (None, None) => c.clone(),
         };
         let batch = Batch {
             rows: Vec::new(),
