@@ -37,7 +37,7 @@ use diesel_async::{AsyncConnection, AsyncPgConnection};
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 use outbox_diesel::{AsyncOutboxExt, Notify, Outbox, OutboxEvent, OutboxExt};
-use outbox_nats::{Mode, Relay, RelayConfig};
+use outbox_nats::{LogTailing, ModeKind, Relay, RelayConfig};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
@@ -357,7 +357,7 @@ impl Bench {
         println!("|---|---|---|---|---|---|---|");
         struct Run {
             name: &'static str,
-            mode: Mode,
+            mode: ModeKind,
             partitions: u32,
             workers: u32,
             relays: usize,
@@ -374,7 +374,7 @@ impl Bench {
         let runs = [
             run(
                 "ordered, 1 partition, 1 relay",
-                Mode::Ordered,
+                ModeKind::Ordered,
                 1,
                 1,
                 1,
@@ -382,7 +382,7 @@ impl Bench {
             ),
             run(
                 "ordered, 1 partition, 1 relay, --delete-published",
-                Mode::Ordered,
+                ModeKind::Ordered,
                 1,
                 1,
                 1,
@@ -390,7 +390,7 @@ impl Bench {
             ),
             run(
                 "ordered, 4 partitions, 1 relay",
-                Mode::Ordered,
+                ModeKind::Ordered,
                 4,
                 1,
                 1,
@@ -398,7 +398,7 @@ impl Bench {
             ),
             run(
                 "ordered, 4 partitions, 2 relays",
-                Mode::Ordered,
+                ModeKind::Ordered,
                 4,
                 1,
                 2,
@@ -406,7 +406,7 @@ impl Bench {
             ),
             run(
                 "ordered, 4 partitions, 2 relays, --delete-published",
-                Mode::Ordered,
+                ModeKind::Ordered,
                 4,
                 1,
                 2,
@@ -414,7 +414,7 @@ impl Bench {
             ),
             run(
                 "ordered, 8 partitions, 4 relays",
-                Mode::Ordered,
+                ModeKind::Ordered,
                 8,
                 1,
                 4,
@@ -422,7 +422,7 @@ impl Bench {
             ),
             run(
                 "unordered, 4 workers, 1 relay",
-                Mode::Unordered,
+                ModeKind::Unordered,
                 1,
                 4,
                 1,
@@ -430,7 +430,7 @@ impl Bench {
             ),
             run(
                 "log-tailing, 1 relay (transactions of 100 events)",
-                Mode::LogTailing,
+                ModeKind::LogTailing,
                 1,
                 1,
                 1,
@@ -444,7 +444,7 @@ impl Bench {
             {
                 continue;
             }
-            if r.mode == Mode::LogTailing && !logical {
+            if r.mode == ModeKind::LogTailing && !logical {
                 println!(
                     "| {} | skipped: `wal_level` is not `logical` (`ALTER SYSTEM SET wal_level = logical` and restart PostgreSQL) | | | | | |",
                     r.name
@@ -534,14 +534,14 @@ impl Bench {
     async fn relay_run(
         &mut self,
         n: usize,
-        mode: Mode,
+        mode: ModeKind,
         partitions: u32,
         workers: u32,
         relays: usize,
         delete_published: bool,
     ) -> Result<(f64, CpuUse)> {
         self.reset_outbox()?;
-        let tailing = mode == Mode::LogTailing;
+        let tailing = mode == ModeKind::LogTailing;
         let slot = format!("{}_slot", self.db_name);
         if tailing {
             // the slot sees only what commits after its creation: make it before the backlog
@@ -661,7 +661,7 @@ impl Bench {
             config
         };
         let config = if wake == Wake::Tailing {
-            config.mode(Mode::LogTailing).slot(slot.clone())
+            config.mode(LogTailing::default().slot(slot.clone()))
         } else {
             config
         };

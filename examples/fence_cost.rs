@@ -22,7 +22,7 @@ use anyhow::{Context, Result, bail};
 use async_nats::jetstream;
 use clap::Parser;
 use diesel::{Connection, PgConnection, RunQueryDsl};
-use outbox_nats::{Relay, RelayConfig};
+use outbox_nats::{Cleanup, Ordered, Relay, RelayConfig};
 use tokio_util::sync::CancellationToken;
 
 #[derive(Parser, Debug)]
@@ -118,8 +118,11 @@ async fn run(
     let config = RelayConfig::new(args.database_url.clone())
         .stream(stream)
         .subject_prefix(prefix)
-        .cleanup(false)
-        .fence(fence);
+        .mode(
+            Ordered::default()
+                .fence(fence)
+                .cleanup(Cleanup::default().enabled(false)),
+        );
     let shutdown = CancellationToken::new();
     let started = Instant::now();
     let relay = tokio::spawn(Relay::new(config, nats.clone()).run(shutdown.clone()));

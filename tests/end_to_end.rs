@@ -703,7 +703,6 @@ async fn commits_after_a_notified_one(mode: outbox_nats::Mode) {
         .lease(Duration::from_secs(40))
         .linger(Duration::from_secs(3));
     config.mode = mode;
-    config.workers = 1;
     config.standby_interval = Duration::from_secs(10);
     let relay = InProcessRelay::start(config, &stream).await;
     let mut conn = db.conn();
@@ -757,10 +756,10 @@ async fn commits_after_a_notified_one(mode: outbox_nats::Mode) {
 
 #[tokio::test]
 async fn ordered_relay_reads_commits_after_a_notified_one_within_its_linger() {
-    commits_after_a_notified_one(outbox_nats::Mode::Ordered).await;
+    commits_after_a_notified_one(outbox_nats::Ordered::default().into()).await;
 }
 
 #[tokio::test]
 async fn unordered_relay_reads_commits_after_a_notified_one_within_its_linger() {
-    commits_after_a_notified_one(outbox_nats::Mode::Unordered).await;
+    commits_after_a_notified_one(outbox_nats::Unordered::default().workers(1).into()).await;
 }

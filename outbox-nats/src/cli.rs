@@ -26,7 +26,9 @@ use clap::Args;
 use outbox_diesel::OutboxTable;
 
 use crate::publish::subject::SubjectTemplate;
-use crate::{Mode, NatsOptions, RelayConfig, redact_url};
+use crate::{
+    Cleanup, LogTailing, Mode, ModeKind, NatsOptions, Ordered, RelayConfig, Unordered, redact_url,
+};
 
 /// The NATS connection: `--nats-url` (a seed list too) and the credentials and TLS flags,
 /// each with its `NATS_*` environment variable. Its `Debug` shows no secret.
@@ -140,9 +142,9 @@ pub struct RelayArgs {
         default_value = "{prefix}.{aggregate_type}.{aggregate_id}"
     )]
     pub subject_template: SubjectTemplate,
-    /// How rows are read.
-    #[arg(long, env = "OUTBOX_MODE", value_enum, default_value_t = Mode::Ordered)]
-    pub mode: Mode,
+    /// How rows are read. The flags of the other modes are not used.
+    #[arg(long, env = "OUTBOX_MODE", value_enum, default_value_t = ModeKind::Ordered)]
+    pub mode: ModeKind,
     /// Partitions of the table (ordered mode), each published by one relay at a time.
     /// Every relay of a table must run with the same count.
     #[arg(long, env = "OUTBOX_PARTITIONS", default_value_t = 1)]
@@ -212,44 +214,61 @@ pub struct RelayArgs {
 }
 
 impl RelayArgs {
-    /// The relay's configuration from these flags (not validated: [`RelayConfig::validate`]
-    /// and [`Relay::run`](crate::Relay::run) check it).
-    pub fn config(&self) -> RelayConfig {
+    /// The relay's configuration from these flags, the chosen mode's own flags in its
+    /// [`Mode`]. An error names a flag the mode cannot honour (`--delete-published` with
+    /// log tailing); the values themselves are checked by [`RelayConfig::validate`] and
+    /// [`Relay::run`](crate::Relay::run).
+    pub fn config(&self) -> Result<RelayConfig, String> {
+        let mode = match self.mode {
+            ModeKind::Ordered => Mode::Ordered(
+                Ordered::default()
+                    .partitions(self.partitions)
+                    .fence(self.fence)
+                    .cleanup(self.cleanup.cleanup()),
+            ),
+            ModeKind::Unordered => Mode::Unordered(
+                Unordered::default()
+                    .workers(self.workers)
+                    .cleanup(self.cleanup.cleanup()),
+            ),
+            ModeKind::LogTailing => {
+                if self.cleanup.delete_published {
+                    return Err(
+                        "--delete-published is for the polling modes; log tailing never marks rows (record with Outbox::delete_after_insert to keep its table empty)".into(),
+                    );
+                }
+                let t = &self.log_tailing;
+                let mut tailing = LogTailing::default()
+                    .recover_slot(t.recover_slot)
+                    .slot_lag_warn_bytes(t.slot_lag_warn_bytes)
+                    .captured_retention(t.captured_retention)
+                    .captured_cleanup_interval(t.captured_cleanup_interval)
+                    .fence(self.fence);
+                tailing.slot = t.slot.clone();
+                tailing.publication = t.publication.clone();
+                Mode::LogTailing(tailing)
+            }
+        };
         let mut config = RelayConfig::new(self.db.database_url.clone())
             .table(self.db.table.clone())
             .stream(self.stream.clone())
             .subject_prefix(self.subject_prefix.clone())
             .subject_template(self.subject_template.clone())
-            .partitions(self.partitions)
+            .mode(mode)
             .batch_size(self.batch_size)
             .poll_interval(self.poll_interval)
             .linger(self.linger)
             .duplicate_window(self.duplicate_window)
             .stream_replicas(self.stream_replicas)
             .listen(!self.no_listen)
-            .fence(self.fence)
             .startup_timeout(self.startup_timeout)
             .lease(self.lease);
-        config.mode = self.mode;
-        config.slot = self.log_tailing.slot.clone();
-        config.publication = self.log_tailing.publication.clone();
-        config.recover_slot = self.log_tailing.recover_slot;
-        config.slot_lag_warn_bytes = self.log_tailing.slot_lag_warn_bytes;
-        config.captured_retention = self.log_tailing.captured_retention;
-        config.captured_cleanup_interval = self.log_tailing.captured_cleanup_interval;
-        config.workers = self.workers;
         config.max_in_flight = self.max_in_flight;
         config.max_batch_bytes = self.max_batch_bytes;
         config.max_attempts = self.max_attempts;
         config.stall_after = self.stall_after;
         config.stats_interval = self.stats_interval;
-        config.cleanup = !self.cleanup.no_cleanup;
-        config.delete_published = self.cleanup.delete_published;
-        config.retention = self.cleanup.retention;
-        config.cleanup_interval = self.cleanup.cleanup_interval;
-        config.cleanup_batch = self.cleanup.cleanup_batch;
-        config.archive_table = self.cleanup.archive_table.clone();
-        config
+        Ok(config)
     }
 }
 
@@ -307,6 +326,20 @@ pub struct CleanupArgs {
     /// Move published rows into this table instead of deleting them.
     #[arg(long, env = "OUTBOX_ARCHIVE_TABLE")]
     pub archive_table: Option<OutboxTable>,
+}
+
+impl CleanupArgs {
+    /// The [`Cleanup`] these flags describe.
+    pub fn cleanup(&self) -> Cleanup {
+        let mut cleanup = Cleanup::default()
+            .enabled(!self.no_cleanup)
+            .retention(self.retention)
+            .interval(self.cleanup_interval)
+            .batch(self.cleanup_batch)
+            .delete_published(self.delete_published);
+        cleanup.archive_table = self.archive_table.clone();
+        cleanup
+    }
 }
 
 #[cfg(test)]
@@ -368,15 +401,77 @@ mod tests {
             "--max-batch-bytes",
             "1024",
         ]);
-        let config = run.relay.config();
-        assert_eq!(config.mode, Mode::LogTailing);
-        assert_eq!(config.partitions, 4);
-        assert_eq!(config.slot.as_deref(), Some("s1"));
-        assert_eq!(config.retention, std::time::Duration::from_secs(3600));
-        assert!(!config.cleanup);
-        assert!(config.fence);
+        let config = run.relay.config().expect("a log-tailing config");
+        let Mode::LogTailing(tailing) = &config.mode else {
+            panic!("{:?}", config.mode)
+        };
+        assert_eq!(tailing.slot.as_deref(), Some("s1"));
+        assert!(tailing.fence);
+        assert_eq!(config.mode.cleanup(), None, "log tailing marks no rows");
         assert_eq!(config.max_batch_bytes, 1024);
         assert_eq!(config.database_url, "postgres://relay@db/app");
         assert_eq!(config.stream, "OUTBOX");
+
+        // the same flags in ordered mode: its own, and the cleanup's
+        let run = Run::parse_from([
+            "outbox-relay",
+            "--database-url",
+            "postgres://relay@db/app",
+            "--partitions",
+            "4",
+            "--retention",
+            "1h",
+            "--no-cleanup",
+            "--fence",
+            "--workers",
+            "9",
+        ]);
+        let config = run.relay.config().expect("an ordered config");
+        let Mode::Ordered(ordered) = &config.mode else {
+            panic!("{:?}", config.mode)
+        };
+        assert_eq!(ordered.partitions, 4);
+        assert!(ordered.fence);
+        assert_eq!(
+            ordered.cleanup.retention,
+            std::time::Duration::from_secs(3600)
+        );
+        assert!(!ordered.cleanup.enabled);
+
+        let run = Run::parse_from([
+            "outbox-relay",
+            "--database-url",
+            "postgres://relay@db/app",
+            "--mode",
+            "unordered",
+            "--workers",
+            "9",
+            "--delete-published",
+            "--fence",
+        ]);
+        let config = run.relay.config().expect("an unordered config");
+        let Mode::Unordered(unordered) = &config.mode else {
+            panic!("{:?}", config.mode)
+        };
+        assert_eq!(unordered.workers, 9);
+        assert!(unordered.cleanup.delete_published);
+        assert!(!config.mode.fence(), "unordered mode has no order to fence");
+    }
+
+    #[test]
+    fn a_flag_the_mode_cannot_honour_is_refused() {
+        let run = Run::parse_from([
+            "outbox-relay",
+            "--database-url",
+            "postgres://relay@db/app",
+            "--mode",
+            "log-tailing",
+            "--delete-published",
+        ]);
+        let e = run.relay.config().expect_err("refused");
+        assert!(
+            e.contains("--delete-published is for the polling modes"),
+            "{e}"
+        );
     }
 }

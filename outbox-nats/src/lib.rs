@@ -3,8 +3,8 @@
 //!
 //! The crate's rooms:
 //!
-//! - the relay engine and its modes ([`Relay`], [`RelayConfig`], [`Mode`], [`Health`],
-//!   [`cleanup`]); the `outbox-relay` binary runs the same engine;
+//! - the relay engine and its modes ([`Relay`], [`RelayConfig`], [`Mode`] with each mode's
+//!   settings, [`Health`], [`cleanup`]); the `outbox-relay` binary runs the same engine;
 //! - [`publish`], the publishing contract: what message a row becomes ([`subject`]: the
 //!   subject template and the token encoding), the stream, the pipeline that keeps each
 //!   aggregate's order, and [`reconcile`]: how a row that may be in the stream already is
@@ -47,5 +47,6 @@ pub use operations::admin;
 pub use publish::{fence, reconcile, subject};
 pub use redact::redact_url;
 pub use relay::cleanup;
-pub use relay::config::{Mode, RelayConfig};
+pub use relay::config::RelayConfig;
+pub use relay::mode::{Cleanup, LogTailing, Mode, ModeKind, Ordered, Unordered};
 pub use relay::{Health, Relay, RelayError};

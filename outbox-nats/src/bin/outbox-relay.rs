@@ -14,7 +14,7 @@ use outbox_diesel::OutboxTable;
 use outbox_diesel::relay as db;
 use outbox_nats::cli::{DbArgs, RelayArgs};
 use outbox_nats::operations;
-use outbox_nats::{Mode, NatsOptions, Relay, redact_url};
+use outbox_nats::{ModeKind, NatsOptions, Relay, redact_url};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
 
@@ -120,8 +120,8 @@ struct StatusArgs {
     stall_after: Duration,
     /// The relay's mode: in log-tailing mode rows are never marked published, so only the
     /// slot's lag counts.
-    #[arg(long, env = "OUTBOX_MODE", value_enum, default_value_t = Mode::Ordered)]
-    mode: Mode,
+    #[arg(long, env = "OUTBOX_MODE", value_enum, default_value_t = ModeKind::Ordered)]
+    mode: ModeKind,
     /// Replication slot to report on (default `{table}_slot`; shown when it exists).
     #[arg(long, env = "OUTBOX_SLOT")]
     slot: Option<String>,
@@ -178,7 +178,13 @@ fn init_tracing(format: LogFormat) {
 
 async fn run(args: RunArgs) -> ExitCode {
     init_tracing(args.log_format);
-    let config = args.relay.config();
+    let config = match args.relay.config() {
+        Ok(config) => config,
+        Err(e) => {
+            error!("invalid configuration: {e}");
+            return ExitCode::from(2);
+        }
+    };
     if let Err(e) = config.validate() {
         error!("invalid configuration: {e}");
         return ExitCode::from(2);

@@ -15,7 +15,7 @@ use outbox_diesel::OutboxTable;
 use outbox_diesel::relay as db;
 use outbox_diesel::wal;
 
-use crate::Mode;
+use crate::ModeKind;
 
 /// What [`status`] reports on, and what counts as stalled.
 ///
@@ -34,7 +34,7 @@ pub struct StatusOptions {
     pub table: OutboxTable,
     /// The relays' mode: in log-tailing mode rows are never marked published, so only the
     /// slot's lag counts toward a stall.
-    pub mode: Mode,
+    pub mode: ModeKind,
     /// Stalled when the oldest unpublished row (or unconfirmed transaction of the slot) is
     /// older than this (default 30 s).
     pub stall_after: Duration,
@@ -53,7 +53,7 @@ impl StatusOptions {
     pub fn new(table: OutboxTable) -> Self {
         StatusOptions {
             table,
-            mode: Mode::Ordered,
+            mode: ModeKind::Ordered,
             stall_after: Duration::from_secs(30),
             slot: None,
             publication: None,
@@ -63,7 +63,7 @@ impl StatusOptions {
     }
 
     /// Sets [`mode`](Self::mode).
-    pub fn mode(mut self, mode: Mode) -> Self {
+    pub fn mode(mut self, mode: ModeKind) -> Self {
         self.mode = mode;
         self
     }
@@ -231,7 +231,7 @@ pub async fn status(conn: &mut AsyncPgConnection, options: &StatusOptions) -> Qu
         .and_then(|s| s.lag_seconds)
         .is_some_and(|s| s > stall_after);
     let stalled = match options.mode {
-        Mode::LogTailing => slot_stalled,
+        ModeKind::LogTailing => slot_stalled,
         _ => backlog.oldest_age_seconds > stall_after || slot_stalled,
     };
     Ok(Status {

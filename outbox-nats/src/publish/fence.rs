@@ -1,4 +1,4 @@
-//! Fencing at the broker ([`RelayConfig::fence`](field@crate::RelayConfig::fence), `--fence`): in the
+//! Fencing at the broker ([`Ordered::fence`](field@crate::Ordered::fence), `--fence`): in the
 //! ordered modes (`ordered`, `log-tailing`) every publish carries `Nats-Expected-Last-Subject-Sequence`, the stream sequence of the last message on
 //! its subject as the relay knows it, so that JetStream itself refuses a message that would
 //! land after a newer one of its subject.

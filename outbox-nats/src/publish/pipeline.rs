@@ -19,11 +19,11 @@ use uuid::Uuid;
 use super::fence::{FENCE_HEADER, Fence};
 pub(crate) use super::outcome::BatchEnd;
 use super::outcome::classify;
+use crate::RelayConfig;
 use crate::health::Health;
 use crate::lease::Lease;
 use crate::metrics as m;
 use crate::publish::to_message;
-use crate::{Mode, RelayConfig};
 
 /// Publishes `rows` in order, but for those of `stored` (already in the stream, see
 /// [`Pipeline::already_stored`]), and waits for their acks. Returns the `seq` of the acked (or
@@ -108,8 +108,10 @@ impl<'a> Pipeline<'a> {
         health: &'a Health,
         shutdown: &'a CancellationToken,
     ) -> Self {
-        let fence =
-            (cfg.fence && cfg.mode != Mode::Unordered).then(|| Fence::new(js.clone(), &cfg.stream));
+        let fence = cfg
+            .mode
+            .fence()
+            .then(|| Fence::new(js.clone(), &cfg.stream));
         Pipeline {
             js,
             cfg,

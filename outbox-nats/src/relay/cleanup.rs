@@ -61,16 +61,17 @@ pub async fn sweep(
 }
 
 /// The relay's cleanup task.
-pub(crate) struct Cleanup {
+pub(crate) struct Cleaner {
     pub(crate) cfg: Arc<RelayConfig>,
+    pub(crate) cleanup: crate::Cleanup,
     pub(crate) shutdown: CancellationToken,
 }
 
-impl Cleanup {
+impl Cleaner {
     pub(crate) async fn run(self) {
-        let cfg = &self.cfg;
+        let (cfg, cleanup) = (&self.cfg, &self.cleanup);
         let mut conn: Option<AsyncPgConnection> = None;
-        let mut tick = tokio::time::interval(cfg.cleanup_interval);
+        let mut tick = tokio::time::interval(cleanup.interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
@@ -97,9 +98,9 @@ impl Cleanup {
             let swept = sweep(
                 c,
                 &cfg.table,
-                cfg.archive_table.as_ref(),
-                cfg.retention,
-                cfg.cleanup_batch,
+                cleanup.archive_table.as_ref(),
+                cleanup.retention,
+                cleanup.batch,
                 &self.shutdown,
             )
             .await;
@@ -108,7 +109,7 @@ impl Cleanup {
                 Ok(n) => {
                     let took = started.elapsed();
                     metrics::histogram!(m::CLEANUP_DURATION).record(took.as_secs_f64());
-                    if n as usize >= cfg.cleanup_batch * 10 {
+                    if n as usize >= cleanup.batch * 10 {
                         info!(deleted = n, took = ?took, "cleanup removed published rows");
                     } else {
                         debug!(deleted = n, took = ?took, "cleanup removed published rows");

@@ -1,49 +1,23 @@
-//! [`RelayConfig`]: what the relay publishes, where, and how fast.
+//! [`RelayConfig`]: what the relay publishes, where, and how fast; the mode and its own
+//! settings are a [`Mode`].
 
 use std::time::Duration;
 
 use outbox_diesel::OutboxTable;
 
 use crate::publish::subject::SubjectTemplate;
-
-/// How the relay reads the outbox (`--mode ordered|unordered|log-tailing` with the `cli`
-/// feature).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
-#[non_exhaustive]
-pub enum Mode {
-    /// Each of `partitions` partitions (by a stable hash of the aggregate id) is published by
-    /// one relay at a time, in `seq` order: events of one aggregate keep their order.
-    #[default]
-    Ordered,
-    /// `workers` competing workers claim rows with `FOR UPDATE SKIP LOCKED`: any number of
-    /// relays, no leases, no order per aggregate.
-    Unordered,
-    /// One reader per replication slot reads the table's committed inserts from the WAL
-    /// (logical decoding, `pgoutput`) in commit order and confirms the slot only after
-    /// JetStream acked; other relays stand by and take over when it dies.
-    LogTailing,
-}
-
-impl std::fmt::Display for Mode {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Mode::Ordered => f.write_str("ordered"),
-            Mode::Unordered => f.write_str("unordered"),
-            Mode::LogTailing => f.write_str("log-tailing"),
-        }
-    }
-}
+use crate::relay::mode::Mode;
 
 /// Everything the relay needs besides its NATS client.
 ///
 /// ```
 /// use std::time::Duration;
-/// use outbox_nats::RelayConfig;
+/// use outbox_nats::{Ordered, RelayConfig};
 ///
 /// let config = RelayConfig::new("postgres://relay@db/app")
 ///     .stream("ORDERS")
 ///     .subject_prefix("shop")
+///     .mode(Ordered::default().partitions(4))
 ///     .poll_interval(Duration::from_millis(50));
 /// assert_eq!(config.stream, "ORDERS");
 /// ```
@@ -60,13 +34,9 @@ pub struct RelayConfig {
     pub subject_prefix: String,
     /// The subject of each event (default `{prefix}.{aggregate_type}.{aggregate_id}`).
     pub subject_template: SubjectTemplate,
-    /// How rows are read.
+    /// How rows are read, with the mode's own settings (default: [`Mode::Ordered`], one
+    /// partition).
     pub mode: Mode,
-    /// Partitions of the table (ordered mode; default 1, at most
-    /// [`MAX_PARTITIONS`](outbox_diesel::relay::MAX_PARTITIONS), 1,024).
-    pub partitions: u32,
-    /// Competing workers of this process (unordered mode; default 4).
-    pub workers: u32,
     /// How long a silent database session keeps its partitions or claimed rows (default
     /// 15 s): PostgreSQL ends it after that (`idle_session_timeout`), and the relay stops
     /// publishing after half of it without an answer. A paused relay's work passes to another
@@ -117,49 +87,6 @@ pub struct RelayConfig {
     pub stall_after: Duration,
     /// How often the backlog figures are refreshed (default 5 s).
     pub stats_interval: Duration,
-    /// The logical replication slot (log-tailing mode); `None` derives it from the table:
-    /// `outbox_slot` for `outbox` (see [`RelayConfig::slot_name`]).
-    pub slot: Option<String>,
-    /// The publication (log-tailing mode); `None` derives it from the table: `outbox_pub`.
-    pub publication: Option<String>,
-    /// Log-tailing mode: when the slot is missing although the relay read it before (dropped,
-    /// or lost in a failover), make a new one and publish again every row still in the table
-    /// and not parked, instead of stopping with an error (default off).
-    pub recover_slot: bool,
-    /// Warn (and set `outbox_slot_lagging`) when the slot's unconfirmed WAL exceeds this many
-    /// bytes (log-tailing mode; default 1 GiB).
-    pub slot_lag_warn_bytes: u64,
-    /// How long captured rows stay in the table before the log-tailing relay deletes them
-    /// (default 1 h). Rows recorded with `Outbox::delete_after_insert` are gone at once.
-    pub captured_retention: Duration,
-    /// How often the log-tailing relay deletes captured rows (default 1 min).
-    pub captured_cleanup_interval: Duration,
-    /// Whether the polling relay deletes published rows (default on; `ordered` and
-    /// `unordered` modes). Every relay may clean: concurrent cleaners skip each other's rows.
-    pub cleanup: bool,
-    /// How long published rows stay before cleanup deletes them (default 5 min; zero deletes
-    /// them at the first cleanup after their publish).
-    pub retention: Duration,
-    /// How often cleanup runs (default 10 s).
-    pub cleanup_interval: Duration,
-    /// Rows deleted per statement by cleanup (default 5,000): each batch is one short
-    /// transaction.
-    pub cleanup_batch: usize,
-    /// Delete each row as soon as JetStream acked it instead of setting `published_at`
-    /// (default off; `ordered` and `unordered` modes). The table then holds only unpublished
-    /// rows: no published history for `status` or an archive, and the least database work
-    /// per event (a delete instead of an update and a later cleanup delete).
-    pub delete_published: bool,
-    /// Move published rows into this table instead of deleting them (default `None`: delete).
-    /// It needs the outbox's columns: `CREATE TABLE outbox_archive (LIKE outbox)`.
-    pub archive_table: Option<OutboxTable>,
-    /// Whether publishes carry `Nats-Expected-Last-Subject-Sequence` in the ordered modes
-    /// (`ordered`, `log-tailing`; default off), so that JetStream refuses an event that would
-    /// land after a newer one of its subject: a relay resumed after a pause longer than the
-    /// duplicate window can neither duplicate nor reorder (see [`fence`](crate::fence)). It
-    /// costs throughput (7–12 % with a thousand aggregates, about half with a new subject per
-    /// row: BENCHMARKS.md, section 7), hence off by default. `unordered` never fences.
-    pub fence: bool,
 }
 
 /// The database URL is shown without its password.
@@ -172,8 +99,6 @@ impl std::fmt::Debug for RelayConfig {
             .field("subject_prefix", &self.subject_prefix)
             .field("subject_template", &self.subject_template)
             .field("mode", &self.mode)
-            .field("partitions", &self.partitions)
-            .field("workers", &self.workers)
             .field("lease", &self.lease)
             .field("batch_size", &self.batch_size)
             .field("max_in_flight", &self.max_in_flight)
@@ -187,18 +112,6 @@ impl std::fmt::Debug for RelayConfig {
             .field("startup_timeout", &self.startup_timeout)
             .field("stall_after", &self.stall_after)
             .field("stats_interval", &self.stats_interval)
-            .field("slot", &self.slot)
-            .field("publication", &self.publication)
-            .field("slot_lag_warn_bytes", &self.slot_lag_warn_bytes)
-            .field("captured_retention", &self.captured_retention)
-            .field("captured_cleanup_interval", &self.captured_cleanup_interval)
-            .field("cleanup", &self.cleanup)
-            .field("retention", &self.retention)
-            .field("cleanup_interval", &self.cleanup_interval)
-            .field("cleanup_batch", &self.cleanup_batch)
-            .field("delete_published", &self.delete_published)
-            .field("archive_table", &self.archive_table)
-            .field("fence", &self.fence)
             .finish_non_exhaustive()
     }
 }
@@ -212,9 +125,7 @@ impl RelayConfig {
             stream: "OUTBOX".into(),
             subject_prefix: "outbox".into(),
             subject_template: SubjectTemplate::default(),
-            mode: Mode::Ordered,
-            partitions: 1,
-            workers: 4,
+            mode: Mode::default(),
             lease: Duration::from_secs(15),
             batch_size: 500,
             max_in_flight: 512,
@@ -230,62 +141,7 @@ impl RelayConfig {
             startup_timeout: Duration::from_secs(30),
             stall_after: Duration::from_secs(30),
             stats_interval: Duration::from_secs(5),
-            slot: None,
-            publication: None,
-            recover_slot: false,
-            slot_lag_warn_bytes: 1 << 30,
-            captured_retention: Duration::from_secs(3600),
-            captured_cleanup_interval: Duration::from_secs(60),
-            cleanup: true,
-            retention: Duration::from_secs(300),
-            cleanup_interval: Duration::from_secs(10),
-            cleanup_batch: 5000,
-            delete_published: false,
-            archive_table: None,
-            fence: false,
         }
-    }
-
-    /// Sets [`RelayConfig::fence`].
-    pub fn fence(mut self, on: bool) -> Self {
-        self.fence = on;
-        self
-    }
-
-    /// Sets [`RelayConfig::retention`].
-    pub fn retention(mut self, d: Duration) -> Self {
-        self.retention = d;
-        self
-    }
-
-    /// Sets [`RelayConfig::delete_published`].
-    pub fn delete_published(mut self, on: bool) -> Self {
-        self.delete_published = on;
-        self
-    }
-
-    /// Sets [`RelayConfig::cleanup`].
-    pub fn cleanup(mut self, on: bool) -> Self {
-        self.cleanup = on;
-        self
-    }
-
-    /// Sets [`RelayConfig::cleanup_interval`].
-    pub fn cleanup_interval(mut self, d: Duration) -> Self {
-        self.cleanup_interval = d;
-        self
-    }
-
-    /// Sets [`RelayConfig::cleanup_batch`].
-    pub fn cleanup_batch(mut self, n: usize) -> Self {
-        self.cleanup_batch = n;
-        self
-    }
-
-    /// Sets [`RelayConfig::archive_table`].
-    pub fn archive_table(mut self, table: OutboxTable) -> Self {
-        self.archive_table = Some(table);
-        self
     }
 
     /// Sets [`RelayConfig::stall_after`].
@@ -298,32 +154,6 @@ impl RelayConfig {
     pub fn stats_interval(mut self, d: Duration) -> Self {
         self.stats_interval = d;
         self
-    }
-
-    /// Sets [`RelayConfig::slot`] (log-tailing mode).
-    pub fn slot(mut self, name: impl Into<String>) -> Self {
-        self.slot = Some(name.into());
-        self
-    }
-
-    /// Sets [`RelayConfig::publication`] (log-tailing mode).
-    pub fn publication(mut self, name: impl Into<String>) -> Self {
-        self.publication = Some(name.into());
-        self
-    }
-
-    /// The replication slot log tailing reads: the configured slot or `{table}_slot`.
-    pub fn slot_name(&self) -> String {
-        self.slot
-            .clone()
-            .unwrap_or_else(|| outbox_diesel::wal::default_slot(&self.table))
-    }
-
-    /// The publication log tailing reads: the configured one or `{table}_pub`.
-    pub fn publication_name(&self) -> String {
-        self.publication
-            .clone()
-            .unwrap_or_else(|| outbox_diesel::wal::default_publication(&self.table))
     }
 
     /// Sets [`RelayConfig::table`].
@@ -350,21 +180,10 @@ impl RelayConfig {
         self
     }
 
-    /// Sets [`RelayConfig::partitions`].
-    pub fn partitions(mut self, n: u32) -> Self {
-        self.partitions = n;
-        self
-    }
-
-    /// Sets [`RelayConfig::mode`].
-    pub fn mode(mut self, mode: Mode) -> Self {
-        self.mode = mode;
-        self
-    }
-
-    /// Sets [`RelayConfig::workers`].
-    pub fn workers(mut self, n: u32) -> Self {
-        self.workers = n;
+    /// Sets [`RelayConfig::mode`]: an [`Ordered`](crate::Ordered),
+    /// [`Unordered`](crate::Unordered) or [`LogTailing`](crate::LogTailing) with its settings.
+    pub fn mode(mut self, mode: impl Into<Mode>) -> Self {
+        self.mode = mode.into();
         self
     }
 
@@ -443,13 +262,9 @@ impl RelayConfig {
     /// can be in flight at once (`max_in_flight`, per worker in unordered mode), so that no
     /// pipeline ever waits for a permit that only another pipeline's progress would release.
     pub fn ack_permits(&self) -> usize {
-        let per_pipeline = match self.mode {
-            Mode::Unordered => self.max_in_flight.min(self.batch_size),
-            Mode::Ordered | Mode::LogTailing => self.max_in_flight,
-        };
-        let pipelines = match self.mode {
-            Mode::Unordered => self.workers as usize,
-            Mode::Ordered | Mode::LogTailing => 1,
+        let (per_pipeline, pipelines) = match &self.mode {
+            Mode::Unordered(u) => (self.max_in_flight.min(self.batch_size), u.workers as usize),
+            Mode::Ordered(_) | Mode::LogTailing(_) => (self.max_in_flight, 1),
         };
         // a semaphore holds at most `usize::MAX >> 3` permits
         per_pipeline
@@ -466,14 +281,32 @@ impl RelayConfig {
                 self.stream_replicas
             ));
         }
-        if self.mode == Mode::LogTailing {
-            outbox_diesel::wal::check_slot_name(&self.slot_name())
-                .map_err(|e| format!("--slot: {e}"))?;
-            if self.publication_name().is_empty() {
-                return Err("--publication must not be empty".into());
+        match &self.mode {
+            Mode::Ordered(o) => {
+                let max = outbox_diesel::relay::MAX_PARTITIONS;
+                if o.partitions == 0 || o.partitions > max {
+                    return Err(format!(
+                        "--partitions {} is out of range 1..={max}: each partition is an advisory lock in PostgreSQL's shared lock table",
+                        o.partitions
+                    ));
+                }
+                o.cleanup.validate()?;
             }
-            if self.captured_cleanup_interval.is_zero() {
-                return Err("--captured-cleanup-interval must be above 0".into());
+            Mode::Unordered(u) => {
+                if u.workers == 0 || u.workers > 256 {
+                    return Err(format!("--workers {} is out of range 1..=256", u.workers));
+                }
+                u.cleanup.validate()?;
+            }
+            Mode::LogTailing(t) => {
+                outbox_diesel::wal::check_slot_name(&t.slot_name(&self.table))
+                    .map_err(|e| format!("--slot: {e}"))?;
+                if t.publication_name(&self.table).is_empty() {
+                    return Err("--publication must not be empty".into());
+                }
+                if t.captured_cleanup_interval.is_zero() {
+                    return Err("--captured-cleanup-interval must be above 0".into());
+                }
             }
         }
         if let Err(e) = outbox_diesel::check_subject_token(&self.subject_prefix) {
@@ -495,13 +328,6 @@ impl RelayConfig {
                 self.stream
             ));
         }
-        let max = outbox_diesel::relay::MAX_PARTITIONS;
-        if self.partitions == 0 || self.partitions > max {
-            return Err(format!(
-                "--partitions {} is out of range 1..={max}: each partition is an advisory lock in PostgreSQL's shared lock table",
-                self.partitions
-            ));
-        }
         if self.max_batch_bytes == 0 || self.max_batch_bytes > i64::MAX as usize {
             return Err("--max-batch-bytes must be above 0".into());
         }
@@ -513,25 +339,6 @@ impl RelayConfig {
         }
         if self.stats_interval.is_zero() {
             return Err("--stats-interval must be above 0".into());
-        }
-        if self.cleanup && (self.cleanup_interval.is_zero() || self.cleanup_batch == 0) {
-            return Err("--cleanup-interval and --cleanup-batch must be above 0".into());
-        }
-        if self.delete_published && self.archive_table.is_some() {
-            return Err(
-                "--delete-published deletes rows as they are acked, so nothing is left to move to --archive-table; pick one".into(),
-            );
-        }
-        if self.delete_published && self.mode == Mode::LogTailing {
-            return Err(
-                "--delete-published is for the polling modes; log tailing never marks rows (record with Outbox::delete_after_insert to keep its table empty)".into(),
-            );
-        }
-        if self.workers == 0 || self.workers > 256 {
-            return Err(format!(
-                "--workers {} is out of range 1..=256",
-                self.workers
-            ));
         }
         let slowest = self
             .poll_interval

@@ -15,6 +15,7 @@ use tracing::{Instrument, debug, error, info, info_span, warn};
 
 pub mod cleanup;
 pub(crate) mod config;
+pub(crate) mod mode;
 mod ordered;
 mod stats;
 mod tailing;
@@ -27,12 +28,12 @@ use crate::metrics as m;
 use crate::publish::pipeline::BatchEnd;
 use crate::publish::reconcile::Reconciler;
 use crate::publish::{StreamInfo, ensure_stream};
-use crate::{Mode, RelayConfig};
-use cleanup::Cleanup;
-use ordered::Ordered;
+use crate::{Mode, ModeKind, RelayConfig};
+use cleanup::Cleaner;
+use ordered::OrderedRelay;
 use stats::stats;
-use tailing::Tailing;
-use unordered::Unordered;
+use tailing::TailingRelay;
+use unordered::UnorderedWorker;
 
 /// Why the relay stopped with an error (it retries everything else).
 #[derive(Debug, thiserror::Error)]
@@ -142,8 +143,8 @@ impl Relay {
             .build(self.nats.clone());
         let stream = self.startup(&js, &shutdown).await?;
         let Some(stream) = stream else { return Ok(()) };
-        if cfg.mode == Mode::LogTailing {
-            self.check_log_tailing().await?;
+        if let Mode::LogTailing(tailing) = &cfg.mode {
+            self.check_log_tailing(tailing).await?;
         }
         if !stream.created && stream.replicas != cfg.stream_replicas {
             warn!(
@@ -154,36 +155,36 @@ impl Relay {
             );
         }
         // the settings in force for the mode, and no other mode's
-        match cfg.mode {
-            Mode::Ordered => info!(
+        match &cfg.mode {
+            Mode::Ordered(o) => info!(
                 stream = %stream.name,
                 created = stream.created,
                 duplicate_window = ?stream.duplicate_window,
                 replicas = stream.replicas,
                 table = %cfg.table,
                 mode = %cfg.mode,
-                partitions = cfg.partitions,
+                partitions = o.partitions,
                 "outbox relay started"
             ),
-            Mode::Unordered => info!(
+            Mode::Unordered(u) => info!(
                 stream = %stream.name,
                 created = stream.created,
                 duplicate_window = ?stream.duplicate_window,
                 replicas = stream.replicas,
                 table = %cfg.table,
                 mode = %cfg.mode,
-                workers = cfg.workers,
+                workers = u.workers,
                 "outbox relay started"
             ),
-            Mode::LogTailing => info!(
+            Mode::LogTailing(t) => info!(
                 stream = %stream.name,
                 created = stream.created,
                 duplicate_window = ?stream.duplicate_window,
                 replicas = stream.replicas,
                 table = %cfg.table,
                 mode = %cfg.mode,
-                slot = %cfg.slot_name(),
-                publication = %cfg.publication_name(),
+                slot = %t.slot_name(&cfg.table),
+                publication = %t.publication_name(&cfg.table),
                 "outbox relay started"
             ),
         }
@@ -205,10 +206,11 @@ impl Relay {
         let shutdown = shutdown.child_token();
         let fatal: Arc<Mutex<Option<outbox_diesel::wal::WalError>>> = Arc::default();
         let mut tasks = JoinSet::new();
-        match cfg.mode {
-            Mode::Ordered => {
-                let ordered = Ordered {
+        match &cfg.mode {
+            Mode::Ordered(mode) => {
+                let ordered = OrderedRelay {
                     cfg: cfg.clone(),
+                    mode: mode.clone(),
                     js: js.clone(),
                     reconciler: reconciler.clone(),
                     health: self.health.clone(),
@@ -216,9 +218,9 @@ impl Relay {
                 };
                 tasks.spawn(ordered.run().instrument(info_span!("outbox.ordered")));
             }
-            Mode::Unordered => {
-                for worker in 0..cfg.workers {
-                    let unordered = Unordered {
+            Mode::Unordered(mode) => {
+                for worker in 0..mode.workers {
+                    let unordered = UnorderedWorker {
                         cfg: cfg.clone(),
                         js: js.clone(),
                         reconciler: reconciler.clone(),
@@ -232,32 +234,32 @@ impl Relay {
                     );
                 }
             }
-            Mode::LogTailing => {
-                let tailing = Tailing {
+            Mode::LogTailing(mode) => {
+                let tailing = TailingRelay {
                     cfg: cfg.clone(),
+                    mode: mode.clone(),
                     js: js.clone(),
                     reconciler: reconciler.clone(),
                     health: self.health.clone(),
                     shutdown: shutdown.clone(),
                     fatal: fatal.clone(),
                 };
-                tasks.spawn(
-                    tailing
-                        .run()
-                        .instrument(info_span!("outbox.tailing", outbox.slot = %cfg.slot_name())),
-                );
+                tasks.spawn(tailing.run().instrument(
+                    info_span!("outbox.tailing", outbox.slot = %mode.slot_name(&cfg.table)),
+                ));
             }
         }
         // log tailing never marks rows (it deletes captured rows itself)
-        if cfg.mode != Mode::LogTailing && cfg.cleanup {
-            let cleanup = Cleanup {
+        if let Some(cleanup) = cfg.mode.cleanup().filter(|c| c.enabled) {
+            let cleanup = Cleaner {
                 cfg: cfg.clone(),
+                cleanup: cleanup.clone(),
                 shutdown: shutdown.clone(),
             };
             tasks.spawn(cleanup.run().instrument(info_span!("outbox.cleanup")));
         }
         // log tailing never marks rows: its lag is the slot's, which it reports itself
-        if cfg.mode != Mode::LogTailing {
+        if cfg.mode.kind() != ModeKind::LogTailing {
             tasks.spawn(stats(
                 cfg.clone(),
                 self.health.clone(),
@@ -280,7 +282,7 @@ impl Relay {
     /// Log tailing's start-up check: `wal_level`, the publication, the relay's record of its
     /// slots (created when missing) and the slot (a missing one that was read before is an
     /// error; the reader makes a new one under its lock), so that what retrying cannot fix stops the relay with a clear error.
-    async fn check_log_tailing(&self) -> Result<(), RelayError> {
+    async fn check_log_tailing(&self, tailing: &crate::LogTailing) -> Result<(), RelayError> {
         let cfg = &self.config;
         let mut conn = outbox_diesel::connect(&cfg.database_url)
             .await
@@ -293,11 +295,11 @@ impl Relay {
             })?;
         let mut reader = outbox_diesel::wal::WalReader::new(
             cfg.table.clone(),
-            cfg.slot_name(),
-            cfg.publication_name(),
+            tailing.slot_name(&cfg.table),
+            tailing.publication_name(&cfg.table),
         )
         .streaming(&cfg.database_url, cfg.poll_interval)?
-        .recover(cfg.recover_slot);
+        .recover(tailing.recover_slot);
         // the replication right first: without it nothing else helps
         reader.check_replication().await?;
         reader.setup(&mut conn).await?;
@@ -341,7 +343,7 @@ impl Relay {
         db::backlog(&mut conn, &cfg.table)
             .await
             .map_err(RelayError::Query)?;
-        if cfg.mode == Mode::Ordered {
+        if cfg.mode.kind() == ModeKind::Ordered {
             if !db::has_progress(&mut conn, &cfg.table)
                 .await
                 .map_err(RelayError::Query)?
@@ -483,13 +485,13 @@ pub(crate) async fn reconnecting(
 }
 
 /// Records that JetStream acked `seqs`: marks them published, or deletes them with
-/// [`RelayConfig::delete_published`].
+/// [`Cleanup::delete_published`](crate::Cleanup::delete_published).
 pub(crate) async fn retire(
     conn: &mut AsyncPgConnection,
     cfg: &RelayConfig,
     seqs: &[i64],
 ) -> diesel::QueryResult<usize> {
-    if cfg.delete_published {
+    if cfg.mode.deletes_published() {
         db::delete_acked(conn, &cfg.table, seqs).await
     } else {
         db::mark_published(conn, &cfg.table, seqs).await

@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::metrics as m;
-use crate::{Health, Mode, RelayConfig};
+use crate::{Health, RelayConfig};
 
 /// Refreshes the backlog gauges (per partition too when partitioned), the connection and
 /// readiness gauges, and warns on a stall or a backlog older than the stream's duplicate
@@ -25,7 +25,8 @@ pub(super) async fn stats(
     let mut conn: Option<AsyncPgConnection> = None;
     let mut tick = tokio::time::interval(cfg.stats_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let partitioned = cfg.mode == Mode::Ordered && cfg.partitions > 1;
+    let partitions = cfg.mode.partitions();
+    let partitioned = partitions > 1;
     let window = duplicate_window.as_secs_f64();
     loop {
         tokio::select! {
@@ -47,7 +48,7 @@ pub(super) async fn stats(
         // one snapshot for the table and its partitions, the partitions' gauges set first: a
         // scrape never sees a total its partitions do not add up to
         let read = if partitioned {
-            db::backlogs(c, &cfg.table, cfg.partitions)
+            db::backlogs(c, &cfg.table, partitions)
                 .await
                 .map(|(b, parts)| (b, Some(parts)))
         } else {

@@ -21,7 +21,7 @@ use crate::lease::Lease;
 use crate::publish::pipeline::{BatchEnd, publish_batch};
 use crate::publish::reconcile::Reconciler;
 
-pub(crate) struct Unordered {
+pub(crate) struct UnorderedWorker {
     pub(crate) cfg: Arc<RelayConfig>,
     pub(crate) js: jetstream::Context,
     pub(crate) reconciler: Arc<Reconciler>,
@@ -29,7 +29,7 @@ pub(crate) struct Unordered {
     pub(crate) shutdown: CancellationToken,
 }
 
-impl Session for Unordered {
+impl Session for UnorderedWorker {
     async fn run_on(&self, conn: &mut AsyncPgConnection, backoff: &mut Backoff) -> SessionEnd {
         self.health.owned.fetch_add(1, Ordering::Relaxed);
         let result = self.session(conn, backoff).await;
@@ -44,7 +44,7 @@ impl Session for Unordered {
     }
 }
 
-impl Unordered {
+impl UnorderedWorker {
     pub(crate) async fn run(self) {
         reconnecting(&self.cfg, &self.health, &self.shutdown, &self).await;
     }

@@ -48,15 +48,17 @@ mod progress;
 
 use progress::Progress;
 
-pub(crate) struct Ordered {
+pub(crate) struct OrderedRelay {
     pub(crate) cfg: Arc<RelayConfig>,
+    /// The mode's own settings.
+    pub(crate) mode: crate::Ordered,
     pub(crate) js: jetstream::Context,
     pub(crate) reconciler: Arc<Reconciler>,
     pub(crate) health: Arc<Health>,
     pub(crate) shutdown: CancellationToken,
 }
 
-impl Session for Ordered {
+impl Session for OrderedRelay {
     async fn run_on(&self, conn: &mut AsyncPgConnection, backoff: &mut Backoff) -> SessionEnd {
         let mut owned = BTreeSet::new();
         let result = self.session(conn, &mut owned, backoff).await;
@@ -72,7 +74,7 @@ impl Session for Ordered {
     }
 }
 
-impl Ordered {
+impl OrderedRelay {
     pub(crate) async fn run(self) {
         self.health.standby.store(1, Ordering::Relaxed);
         reconnecting(&self.cfg, &self.health, &self.shutdown, &self).await;
@@ -103,7 +105,7 @@ impl Ordered {
         let lease = Lease::new(cfg.lease);
         lease.configure(conn).await?;
         let me = db::backend_pid(conn).await?;
-        db::join_members(conn, table, cfg.partitions).await?;
+        db::join_members(conn, table, self.mode.partitions).await?;
         if cfg.listen {
             db::listen(conn, table).await?;
         }
@@ -163,7 +165,7 @@ impl Ordered {
                     .map(|&p| {
                         let partition = Partition {
                             index: p,
-                            count: cfg.partitions,
+                            count: self.mode.partitions,
                         };
                         (p, progress.read_cursor(partition))
                     })
@@ -172,7 +174,7 @@ impl Ordered {
                 let batches = db::fetch_batches(
                     conn,
                     table,
-                    cfg.partitions,
+                    self.mode.partitions,
                     &cursors,
                     &exclude,
                     limit,
@@ -201,7 +203,7 @@ impl Ordered {
                     }
                     let partition = Partition {
                         index: p,
-                        count: cfg.partitions,
+                        count: self.mode.partitions,
                     };
                     fetched.extend(progress.read(partition, cursor, batch));
                 }
@@ -264,7 +266,7 @@ impl Ordered {
                 table,
                 Partition {
                     index: p,
-                    count: cfg.partitions,
+                    count: self.mode.partitions,
                 },
             )
             .unlock(conn)
@@ -287,7 +289,7 @@ impl Ordered {
         warned_conflict: &mut bool,
     ) -> diesel::QueryResult<()> {
         let cfg = &self.cfg;
-        let n = cfg.partitions;
+        let n = self.mode.partitions;
         let started = Instant::now();
         let members = db::members(conn, &cfg.table).await?;
         holding.pipe.lease().confirm(started);
@@ -366,7 +368,7 @@ impl Ordered {
         how_many: usize,
         holding: &mut Holding<'_>,
     ) -> diesel::QueryResult<()> {
-        let n = self.cfg.partitions;
+        let n = self.mode.partitions;
         let victims: Vec<u32> = owned.iter().rev().take(how_many).copied().collect();
         for p in &victims {
             db::AdvisoryLock::Partition(

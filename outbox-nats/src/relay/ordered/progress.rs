@@ -209,7 +209,7 @@ impl Progress {
         // them: a relay that dies in between publishes them again, never leaves them behind
         let released = std::mem::take(&mut self.released_acked);
         let acked = std::mem::take(&mut self.acked_rows);
-        if cfg.delete_published {
+        if cfg.mode.deletes_published() {
             db::delete_acked(conn, &cfg.table, &acked).await?;
         } else {
             db::mark_released(conn, &cfg.table, &released).await?;

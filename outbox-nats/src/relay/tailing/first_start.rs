@@ -8,13 +8,13 @@ use outbox_diesel::relay::OutboxRow;
 use outbox_diesel::wal::{self, WalError, WalReader};
 use tracing::{error, info, warn};
 
-use super::Tailing;
+use super::TailingRelay;
 use crate::lease::Lease;
 use crate::metrics as m;
 use crate::publish::pipeline::BatchEnd;
 use crate::relay::Backoff;
 
-impl Tailing {
+impl TailingRelay {
     /// Makes the slot and publishes, before anything it sends, every row committed before it
     /// that no relay has published and that is not parked, in `seq` order, read from the
     /// slot's exported snapshot a page at a time: no gap between the table and the log, and

@@ -52,8 +52,10 @@ use crate::metrics as m;
 use crate::publish::pipeline::{BatchEnd, Pipeline};
 use crate::publish::reconcile::{Lookups, Reconciler};
 
-pub(crate) struct Tailing {
+pub(crate) struct TailingRelay {
     pub(crate) cfg: Arc<RelayConfig>,
+    /// The mode's own settings.
+    pub(crate) mode: crate::LogTailing,
     pub(crate) js: jetstream::Context,
     pub(crate) reconciler: Arc<Reconciler>,
     pub(crate) health: Arc<Health>,
@@ -77,7 +79,7 @@ struct State {
     parked: HashSet<(Uuid, Lsn)>,
 }
 
-impl Session for Tailing {
+impl Session for TailingRelay {
     async fn run_on(&self, conn: &mut AsyncPgConnection, backoff: &mut Backoff) -> SessionEnd {
         let result = self.session(conn, backoff).await;
         self.set_reader(false);
@@ -103,7 +105,7 @@ impl Session for Tailing {
     }
 }
 
-impl Tailing {
+impl TailingRelay {
     pub(crate) async fn run(self) {
         self.set_reader(false);
         reconnecting(&self.cfg, &self.health, &self.shutdown, &self).await;
@@ -129,7 +131,7 @@ impl Tailing {
         backoff: &mut Backoff,
     ) -> Result<(), WalError> {
         let cfg = &*self.cfg;
-        let slot = cfg.slot_name();
+        let slot = self.mode.slot_name(&cfg.table);
         let lease = Lease::new(cfg.lease);
         lease.configure(conn).await?;
         // stand by until this session holds the slot's lock
@@ -153,11 +155,15 @@ impl Tailing {
                 _ = self.shutdown.cancelled() => return Ok(()),
             }
         }
-        let mut reader = WalReader::new(cfg.table.clone(), slot.clone(), cfg.publication_name())
-            .streaming(&cfg.database_url, cfg.poll_interval)?
-            .recover(cfg.recover_slot)
-            // making the slot may wait longer than the lease for running transactions
-            .keep_session_alive(cfg.lease / 3);
+        let mut reader = WalReader::new(
+            cfg.table.clone(),
+            slot.clone(),
+            self.mode.publication_name(&cfg.table),
+        )
+        .streaming(&cfg.database_url, cfg.poll_interval)?
+        .recover(self.mode.recover_slot)
+        // making the slot may wait longer than the lease for running transactions
+        .keep_session_alive(cfg.lease / 3);
         let state = reader.setup(conn).await?;
         self.set_reader(true);
         // the highest `seq` the first start published: its rows are captured too
@@ -204,7 +210,7 @@ impl Tailing {
             ..State::default()
         };
         let mut next_stats = Instant::now();
-        let mut next_cleanup = Instant::now() + cfg.captured_cleanup_interval;
+        let mut next_cleanup = Instant::now() + self.mode.captured_cleanup_interval;
         let mut window = Window::default();
         let mut lookups = self.reconciler.lookups();
         let mut pipe = Pipeline::new(&self.js, cfg, lease, &self.health, &self.shutdown);
@@ -215,7 +221,7 @@ impl Tailing {
             }
             if Instant::now() >= next_cleanup {
                 self.cleanup(conn, &state).await?;
-                next_cleanup = Instant::now() + cfg.captured_cleanup_interval;
+                next_cleanup = Instant::now() + self.mode.captured_cleanup_interval;
             }
             // The stream proves nothing about the session that holds the slot's lock, so the
             // lease is not confirmed by a read; the reader queries its session instead, while
@@ -452,7 +458,7 @@ impl Tailing {
         };
         metrics::gauge!(m::SLOT_LAG_BYTES).set(lag.lag_bytes as f64);
         metrics::gauge!(m::SLOT_RETAINED_BYTES).set(lag.retained_bytes as f64);
-        let lagging = lag.lag_bytes as u64 > cfg.slot_lag_warn_bytes
+        let lagging = lag.lag_bytes as u64 > self.mode.slot_lag_warn_bytes
             || lag_seconds > cfg.stall_after.as_secs_f64();
         metrics::gauge!(m::SLOT_LAGGING).set(if lagging { 1.0 } else { 0.0 });
         metrics::gauge!(m::STALLED).set(if lag_seconds > cfg.stall_after.as_secs_f64() {
@@ -486,7 +492,7 @@ impl Tailing {
                 conn,
                 &self.cfg.table,
                 state.max_confirmed_seq,
-                self.cfg.captured_retention,
+                self.mode.captured_retention,
                 LIMIT,
             )
             .await?;
