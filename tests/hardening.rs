@@ -1102,6 +1102,82 @@ async fn one_statement_reads_partitions_at_different_cursors_each_row_once() {
     }
 }
 
+// 22. A relay takes over a partition whose cursor is far behind those of the partitions it
+// already reads (they share one walk from the lowest cursor): the walk's row limit counted the
+// rows the other partitions had read before, so the new partition got a batch's worth of the
+// table at a time (none of its own rows for 25 batches here). Now the limit counts only rows
+// above their own partition's cursor: its rows come in the first batch.
+#[tokio::test]
+async fn a_partition_taken_over_far_behind_the_others_gets_its_rows_in_the_first_batch() {
+    use outbox_diesel::relay::{Cursor, Source, fetch_batches};
+    let db = TestDb::new();
+    // 200 rows of one aggregate (one partition), then 40 over ten aggregates
+    diesel::sql_query(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), 'order', 'o-0', 'order.placed', '{}' \
+         FROM generate_series(1, 200)",
+    )
+    .execute(&mut db.conn())
+    .expect("insert");
+    insert_rows_over(&db, 40, 10);
+    let dense = db
+        .scalar("SELECT (aggregate_hash % 2)::int8 FROM outbox WHERE aggregate_id = 'o-0' LIMIT 1")
+        as u32;
+    let other = 1 - dense;
+    let table = outbox_diesel::OutboxTable::DEFAULT;
+    let mut conn = db.relay_session().await;
+    // the relay has read the dense partition to the end
+    let read = fetch_batches(
+        &mut conn,
+        &table,
+        2,
+        &[(dense, Cursor::start())],
+        &[],
+        1_000,
+        i64::MAX,
+    )
+    .await
+    .expect("fetch");
+    let ahead = read[0].1.next.clone();
+    assert_eq!(ahead.upto_seq, 240);
+    // and takes over the other one, new to it
+    let both = fetch_batches(
+        &mut conn,
+        &table,
+        2,
+        &[(dense, ahead.clone()), (other, Cursor::start())],
+        &[],
+        8,
+        i64::MAX,
+    )
+    .await
+    .expect("fetch");
+    let theirs = seqs_where(&db, &format!("aggregate_hash % 2 = {other}"));
+    assert!(theirs.len() >= 8, "{theirs:?}");
+    assert_eq!(
+        seqs_of(&both[1].1, Source::Next),
+        theirs[..8].to_vec(),
+        "the taken-over partition's first 8 rows, in its first batch"
+    );
+    assert_eq!(both[1].1.next.upto_seq, theirs[7]);
+    assert_eq!(seqs_of(&both[0].1, Source::Next), Vec::<i64>::new());
+    assert_eq!(both[0].1.next.upto_seq, 240, "a cursor never moves back");
+
+    // the byte budget, too, counts only the rows read for their own partition
+    let both = fetch_batches(
+        &mut conn,
+        &table,
+        2,
+        &[(dense, ahead), (other, Cursor::start())],
+        &[],
+        1_000,
+        1,
+    )
+    .await
+    .expect("fetch");
+    assert_eq!(seqs_of(&both[1].1, Source::Next), theirs[..1].to_vec());
+}
+
 // 20. A transaction held open across batches and committed with more rows than a batch holds:
 // its rows are all late, and the batch read them all at once (a bulk load of a million events
 // was one batch, whatever `--batch-size` and `--max-batch-bytes`). Now they are read in parts

@@ -63,8 +63,7 @@ struct Fetched {
     /// The row's partition (`aggregate_hash % count`).
     #[diesel(sql_type = Integer)]
     p: i32,
-    /// -1: a next row its partition's cursor had read already (it only tells how far the
-    /// walk went); 0: no earlier row of the aggregate is parked, held or released; 1: one is
+    /// 0: no earlier row of the aggregate is parked, held or released; 1: one is
     /// parked or held; 2: only released ones
     #[diesel(sql_type = Integer)]
     behind: i32,
@@ -142,23 +141,24 @@ pub async fn fetch_batches(
         .iter()
         .map(|(_, c)| c.late.as_ref().map(|l| l.snap.as_str()))
         .collect();
-    // a partition in a late pass is not walked
-    let walking: Vec<(i32, i64)> = cursors
-        .iter()
-        .filter(|(_, c)| c.late.is_none())
-        .map(|(p, c)| (*p as i32, c.upto_seq))
-        .collect();
-    let walk: Vec<i32> = walking.iter().map(|(p, _)| *p).collect();
+    // where the walk takes each partition's rows from, by partition: after its cursor; a
+    // partition not read here, or in a late pass, not at all
+    let mut walk = vec![i64::MAX; count.max(1) as usize];
+    for (p, c) in cursors.iter().filter(|(_, c)| c.late.is_none()) {
+        if let Some(after) = walk.get_mut(*p as usize) {
+            *after = c.upto_seq;
+        }
+    }
     let some = cursors.len() < count as usize;
     let fetched: Vec<Fetched> = BatchStatement {
-        sql: batch_sql(table, count, some, walk.len() < cursors.len()),
+        sql: batch_sql(table, count, some),
         indexes: &indexes,
         uptos: &uptos,
         snaps: &snaps,
         limit,
         max_bytes,
         exclude,
-        from: walking.iter().map(|(_, u)| *u).min().unwrap_or(i64::MAX),
+        from: walk.iter().copied().min().unwrap_or(i64::MAX),
         afters: &afters,
         uppers: &uppers,
         walk: &walk,
@@ -169,6 +169,7 @@ pub async fn fetch_batches(
     // a late pass has ended, the other cursors stay
     let snap = <[Fetched]>::first(&fetched).map(|f| f.snap.clone());
     // how far the walk went: every row of the walked partitions up to there that `snap` sees
+    // (returned, or at or below its own partition's cursor)
     let walked = fetched
         .iter()
         .filter(|f| f.part == 0)
@@ -242,9 +243,6 @@ pub async fn fetch_batches(
         .map(|(i, (p, _))| (*p as i32, i))
         .collect();
     for f in fetched {
-        if f.behind < 0 {
-            continue;
-        }
         let Some(&i) = index.get(&f.p) else {
             continue;
         };
@@ -283,8 +281,9 @@ struct BatchStatement<'a> {
     /// Per cursor, its late pass's `seq` and snapshot, if any.
     afters: &'a [Option<i64>],
     uppers: &'a [Option<&'a str>],
-    /// The partitions walked (those not in a late pass).
-    walk: &'a [i32],
+    /// By partition, the `seq` its walked rows come after: its cursor's, or `i64::MAX` for a
+    /// partition not walked (in a late pass, or not read by the caller).
+    walk: &'a [i64],
 }
 
 impl QueryId for BatchStatement<'_> {
@@ -316,7 +315,7 @@ impl QueryFragment<Pg> for BatchStatement<'_> {
                 7 => out.push_bind_param::<BigInt, _>(&self.from)?,
                 8 => out.push_bind_param::<Array<Nullable<BigInt>>, _>(self.afters)?,
                 9 => out.push_bind_param::<Array<Nullable<Text>>, _>(self.uppers)?,
-                10 => out.push_bind_param::<Array<Integer>, _>(self.walk)?,
+                10 => out.push_bind_param::<Array<BigInt>, _>(self.walk)?,
                 // a `$` of a quoted name: text
                 _ => {
                     out.push_sql("$");
@@ -332,15 +331,16 @@ impl QueryFragment<Pg> for BatchStatement<'_> {
 }
 
 /// The statement of [`fetch_batches`] for partitions of `count` of `table`, `some` when the
-/// relay reads only some of them, `passing` when some are in a late pass (and not walked);
-/// its binds: the partitions, their cursors' `seq`s and snapshots, the row limit, the byte
-/// budget, the released rows to leave out, the lowest walked cursor's `seq` (a bind, not a
-/// subquery, so that the planner sees where the walk starts), the late passes' `seq`s and
-/// snapshots (NULL for a cursor without one), the partitions walked.
+/// relay reads only some of them; its binds: the partitions, their cursors' `seq`s and
+/// snapshots, the row limit, the byte budget, the released rows to leave out, the lowest
+/// walked cursor's `seq` (a bind, not a subquery, so that the planner sees where the walk
+/// starts), the late passes' `seq`s and snapshots (NULL for a cursor without one), and by
+/// partition the `seq` its walked rows come after (`i64::MAX`: not walked).
 ///
-/// The next rows are one walk through the walked partitions' rows after the lowest cursor; a
-/// row at or below its own partition's cursor (read before: cursors differ after a partition
-/// is taken over) comes back marked `behind = -1` and only tells how far the walk went.
+/// The next rows are one walk through the rows after the lowest cursor, each taken when it is
+/// above its own partition's cursor: the row limit and the byte budget count only those. A
+/// partition taken over far behind the others (cursors differ then) gets its own rows in its
+/// first batch, instead of a batch's worth of rows the others had read before at a time.
 ///
 /// The late rows are looked up by transaction id alone, behind an `OFFSET 0` fence, and only
 /// then tested for being unpublished: given the test inside, the planner may read every
@@ -352,7 +352,7 @@ impl QueryFragment<Pg> for BatchStatement<'_> {
 /// late pass, only those after the pass's `seq` that the pass's snapshot sees. Each partition's
 /// late rows come in `seq` order within the row limit and the byte budget, each with how many
 /// there are, so that the caller knows when they did not all fit.
-fn batch_sql(table: &OutboxTable, count: u32, some: bool, passing: bool) -> String {
+fn batch_sql(table: &OutboxTable, count: u32, some: bool) -> String {
     const COLUMNS: &str = "o.seq, o.id, o.aggregate_type, o.aggregate_id, o.event_type, \
                            o.payload, o.headers, o.created_at, o.attempts";
     let t = table.quoted();
@@ -367,11 +367,6 @@ fn batch_sql(table: &OutboxTable, count: u32, some: bool, passing: bool) -> Stri
     } else {
         String::new()
     };
-    let walked = if some || passing {
-        format!(" AND {p} = ANY($10)")
-    } else {
-        String::new()
-    };
     let behind = behind_sql(table);
     let in_pass = "(c.after IS NULL OR o.seq > c.after) \
                    AND (c.upper IS NULL OR pg_visible_in_snapshot(o.txid, c.upper))";
@@ -381,13 +376,12 @@ fn batch_sql(table: &OutboxTable, count: u32, some: bool, passing: bool) -> Stri
          c.upper::pg_snapshot AS upper \
          FROM unnest($1::int4[], $2::int8[], $3::text[], $8::int8[], $9::text[]) \
          AS c(p, upto, snap, after, upper)) \
-         SELECT {COLUMNS}, o.part, o.p, CASE WHEN o.part = 0 AND o.seq <= c.upto THEN -1 \
-         ELSE {behind} END AS behind, o.late_total, (SELECT s::text FROM cur) AS snap FROM ( \
+         SELECT {COLUMNS}, o.part, o.p, {behind} AS behind, o.late_total, (SELECT s::text FROM cur) AS snap FROM ( \
          (SELECT {COLUMNS}, 0 AS part, o.p, 0::int8 AS late_total FROM (SELECT {COLUMNS}, o.p, \
          COALESCE(sum(octet_length(o.payload::text)) \
          OVER (ORDER BY o.seq ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before \
          FROM (SELECT {COLUMNS}, {p} AS p FROM {t} o WHERE o.published_at IS NULL \
-         AND o.parked_at IS NULL{walked} AND o.seq > $7 \
+         AND o.parked_at IS NULL AND o.seq > $7 AND o.seq > ($10::int8[])[{p} + 1] \
          ORDER BY o.seq LIMIT $4) o) o WHERE o.before < $5) \
          UNION ALL \
          (SELECT {COLUMNS}, 1, o.p, o.total FROM (SELECT {COLUMNS}, o.p, \
@@ -422,9 +416,13 @@ pub async fn explain_batch_analyze(
     cursor: &Cursor,
     limit: i64,
 ) -> QueryResult<Vec<String>> {
+    let mut walk = vec![i64::MAX; partition.count.max(1) as usize];
+    if let Some(after) = walk.get_mut(partition.index as usize) {
+        *after = cursor.upto_seq;
+    }
     let lines: Vec<super::super::poll::PlanLine> = diesel::sql_query(format!(
         "EXPLAIN (ANALYZE, BUFFERS) {}",
-        batch_sql(table, partition.count, true, false)
+        batch_sql(table, partition.count, true)
     ))
     .bind::<Array<Integer>, _>(vec![partition.index as i32])
     .bind::<Array<BigInt>, _>(vec![cursor.upto_seq])
@@ -435,7 +433,7 @@ pub async fn explain_batch_analyze(
     .bind::<BigInt, _>(cursor.upto_seq)
     .bind::<Array<Nullable<BigInt>>, _>(vec![None::<i64>])
     .bind::<Array<Nullable<Text>>, _>(vec![None::<String>])
-    .bind::<Array<Integer>, _>(vec![partition.index as i32])
+    .bind::<Array<BigInt>, _>(walk)
     .load(conn)
     .await?;
     Ok(lines.into_iter().map(|l| l.line).collect())
