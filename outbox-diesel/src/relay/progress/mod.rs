@@ -27,8 +27,8 @@
 //! A relay reads every partition it owns with one statement ([`fetch_batches`]): the next rows
 //! are one walk through those partitions' rows after the lowest of their cursors, and each
 //! cursor moves to where the walk ended, since the walk saw every row of each up to there (a
-//! row at or below its own partition's older cursor is read again only to tell where the walk
-//! went, after a take-over). The late rows are found per cursor; a row is late for its own
+//! row at or below its own partition's cursor, which cursors that differ after a take-over
+//! meet, is passed over and not counted against the batch's limits). The late rows are found per cursor; a row is late for its own
 //! partition only. After the acks, the relay records the cursor with one
 //! `INSERT` per batch into `<table>_progress`; nothing is written per row. The view
 //! `<table>_audit` answers `published_at` for the rows a cursor covers (the time of the first
