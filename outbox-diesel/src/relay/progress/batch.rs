@@ -143,15 +143,28 @@ pub async fn fetch_batches(
         .collect();
     // where the walk takes each partition's rows from, by partition: after its cursor; a
     // partition not read here, or in a late pass, not at all
+    let walking: Vec<(u32, i64)> = cursors
+        .iter()
+        .filter(|(_, c)| c.late.is_none())
+        .map(|(p, c)| (*p, c.upto_seq))
+        .collect();
     let mut walk = vec![i64::MAX; count.max(1) as usize];
-    for (p, c) in cursors.iter().filter(|(_, c)| c.late.is_none()) {
+    for (p, upto) in &walking {
         if let Some(after) = walk.get_mut(*p as usize) {
-            *after = c.upto_seq;
+            *after = *upto;
         }
     }
+    let walked_partitions: Vec<i32> = walking.iter().map(|(p, _)| *p as i32).collect();
     let some = cursors.len() < count as usize;
+    let shape = if walking.windows(2).any(|w| w[0].1 != w[1].1) {
+        Walk::EachAfterItsCursor
+    } else if some || walking.len() < cursors.len() {
+        Walk::Some
+    } else {
+        Walk::All
+    };
     let fetched: Vec<Fetched> = BatchStatement {
-        sql: batch_sql(table, count, some),
+        sql: batch_sql(table, count, some, shape),
         indexes: &indexes,
         uptos: &uptos,
         snaps: &snaps,
@@ -162,6 +175,7 @@ pub async fn fetch_batches(
         afters: &afters,
         uppers: &uppers,
         walk: &walk,
+        walked: &walked_partitions,
     }
     .load(conn)
     .await?;
@@ -284,6 +298,8 @@ struct BatchStatement<'a> {
     /// By partition, the `seq` its walked rows come after: its cursor's, or `i64::MAX` for a
     /// partition not walked (in a late pass, or not read by the caller).
     walk: &'a [i64],
+    /// The partitions walked.
+    walked: &'a [i32],
 }
 
 impl QueryId for BatchStatement<'_> {
@@ -316,6 +332,7 @@ impl QueryFragment<Pg> for BatchStatement<'_> {
                 8 => out.push_bind_param::<Array<Nullable<BigInt>>, _>(self.afters)?,
                 9 => out.push_bind_param::<Array<Nullable<Text>>, _>(self.uppers)?,
                 10 => out.push_bind_param::<Array<BigInt>, _>(self.walk)?,
+                11 => out.push_bind_param::<Array<Integer>, _>(self.walked)?,
                 // a `$` of a quoted name: text
                 _ => {
                     out.push_sql("$");
@@ -330,17 +347,31 @@ impl QueryFragment<Pg> for BatchStatement<'_> {
     }
 }
 
+/// Which rows the walk of [`batch_sql`] takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Walk {
+    /// Every partition's, all after the same cursor.
+    All,
+    /// Those of the partitions walked (`$11`), all after the same cursor.
+    Some,
+    /// Each partition's after its own cursor (`$10`): cursors differ after a take-over.
+    EachAfterItsCursor,
+}
+
 /// The statement of [`fetch_batches`] for partitions of `count` of `table`, `some` when the
-/// relay reads only some of them; its binds: the partitions, their cursors' `seq`s and
+/// relay reads only some of them, the walk's `shape`; its binds: the partitions, their cursors' `seq`s and
 /// snapshots, the row limit, the byte budget, the released rows to leave out, the lowest
 /// walked cursor's `seq` (a bind, not a subquery, so that the planner sees where the walk
-/// starts), the late passes' `seq`s and snapshots (NULL for a cursor without one), and by
-/// partition the `seq` its walked rows come after (`i64::MAX`: not walked).
+/// starts), the late passes' `seq`s and snapshots (NULL for a cursor without one), by
+/// partition the `seq` its walked rows come after (`i64::MAX`: not walked), and the
+/// partitions walked.
 ///
 /// The next rows are one walk through the rows after the lowest cursor, each taken when it is
 /// above its own partition's cursor: the row limit and the byte budget count only those. A
 /// partition taken over far behind the others (cursors differ then) gets its own rows in its
 /// first batch, instead of a batch's worth of rows the others had read before at a time.
+/// While the cursors agree (the steady state) the walk tests the partition alone, which costs
+/// PostgreSQL less per event (BENCHMARKS.md, section 12).
 ///
 /// The late rows are looked up by transaction id alone, behind an `OFFSET 0` fence, and only
 /// then tested for being unpublished: given the test inside, the planner may read every
@@ -352,7 +383,7 @@ impl QueryFragment<Pg> for BatchStatement<'_> {
 /// late pass, only those after the pass's `seq` that the pass's snapshot sees. Each partition's
 /// late rows come in `seq` order within the row limit and the byte budget, each with how many
 /// there are, so that the caller knows when they did not all fit.
-fn batch_sql(table: &OutboxTable, count: u32, some: bool) -> String {
+fn batch_sql(table: &OutboxTable, count: u32, some: bool, shape: Walk) -> String {
     const COLUMNS: &str = "o.seq, o.id, o.aggregate_type, o.aggregate_id, o.event_type, \
                            o.payload, o.headers, o.created_at, o.attempts";
     let t = table.quoted();
@@ -366,6 +397,11 @@ fn batch_sql(table: &OutboxTable, count: u32, some: bool) -> String {
         format!(" AND {p} = ANY($1)")
     } else {
         String::new()
+    };
+    let walked = match shape {
+        Walk::All => String::new(),
+        Walk::Some => format!(" AND {p} = ANY($11)"),
+        Walk::EachAfterItsCursor => format!(" AND o.seq > ($10::int8[])[{p} + 1]"),
     };
     let behind = behind_sql(table);
     let in_pass = "(c.after IS NULL OR o.seq > c.after) \
@@ -381,7 +417,7 @@ fn batch_sql(table: &OutboxTable, count: u32, some: bool) -> String {
          COALESCE(sum(octet_length(o.payload::text)) \
          OVER (ORDER BY o.seq ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before \
          FROM (SELECT {COLUMNS}, {p} AS p FROM {t} o WHERE o.published_at IS NULL \
-         AND o.parked_at IS NULL AND o.seq > $7 AND o.seq > ($10::int8[])[{p} + 1] \
+         AND o.parked_at IS NULL AND o.seq > $7{walked} \
          ORDER BY o.seq LIMIT $4) o) o WHERE o.before < $5) \
          UNION ALL \
          (SELECT {COLUMNS}, 1, o.p, o.total FROM (SELECT {COLUMNS}, o.p, \
@@ -422,7 +458,7 @@ pub async fn explain_batch_analyze(
     }
     let lines: Vec<super::super::poll::PlanLine> = diesel::sql_query(format!(
         "EXPLAIN (ANALYZE, BUFFERS) {}",
-        batch_sql(table, partition.count, true)
+        batch_sql(table, partition.count, true, Walk::Some)
     ))
     .bind::<Array<Integer>, _>(vec![partition.index as i32])
     .bind::<Array<BigInt>, _>(vec![cursor.upto_seq])
@@ -434,6 +470,7 @@ pub async fn explain_batch_analyze(
     .bind::<Array<Nullable<BigInt>>, _>(vec![None::<i64>])
     .bind::<Array<Nullable<Text>>, _>(vec![None::<String>])
     .bind::<Array<BigInt>, _>(walk)
+    .bind::<Array<Integer>, _>(vec![partition.index as i32])
     .load(conn)
     .await?;
     Ok(lines.into_iter().map(|l| l.line).collect())
