@@ -382,12 +382,16 @@ mod tests {
         relay: RelayArgs,
     }
 
+    /// The config of `outbox-relay run --database-url postgres://relay@db/app` and `flags`.
+    fn config_of(flags: &[&str]) -> Result<RelayConfig, String> {
+        let mut args = vec!["outbox-relay", "--database-url", "postgres://relay@db/app"];
+        args.extend_from_slice(flags);
+        Run::parse_from(args).relay.config()
+    }
+
     #[test]
     fn relay_flags_make_the_config_they_name() {
-        let run = Run::parse_from([
-            "outbox-relay",
-            "--database-url",
-            "postgres://relay@db/app",
+        let config = config_of(&[
             "--mode",
             "log-tailing",
             "--partitions",
@@ -400,8 +404,8 @@ mod tests {
             "--fence",
             "--max-batch-bytes",
             "1024",
-        ]);
-        let config = run.relay.config().expect("a log-tailing config");
+        ])
+        .expect("a log-tailing config");
         let Mode::LogTailing(tailing) = &config.mode else {
             panic!("{:?}", config.mode)
         };
@@ -413,10 +417,7 @@ mod tests {
         assert_eq!(config.stream, "OUTBOX");
 
         // the same flags in ordered mode: its own, and the cleanup's
-        let run = Run::parse_from([
-            "outbox-relay",
-            "--database-url",
-            "postgres://relay@db/app",
+        let config = config_of(&[
             "--partitions",
             "4",
             "--retention",
@@ -425,8 +426,8 @@ mod tests {
             "--fence",
             "--workers",
             "9",
-        ]);
-        let config = run.relay.config().expect("an ordered config");
+        ])
+        .expect("an ordered config");
         let Mode::Ordered(ordered) = &config.mode else {
             panic!("{:?}", config.mode)
         };
@@ -438,18 +439,15 @@ mod tests {
         );
         assert!(!ordered.cleanup.enabled);
 
-        let run = Run::parse_from([
-            "outbox-relay",
-            "--database-url",
-            "postgres://relay@db/app",
+        let config = config_of(&[
             "--mode",
             "unordered",
             "--workers",
             "9",
             "--delete-published",
             "--fence",
-        ]);
-        let config = run.relay.config().expect("an unordered config");
+        ])
+        .expect("an unordered config");
         let Mode::Unordered(unordered) = &config.mode else {
             panic!("{:?}", config.mode)
         };
@@ -460,15 +458,7 @@ mod tests {
 
     #[test]
     fn a_flag_the_mode_cannot_honour_is_refused() {
-        let run = Run::parse_from([
-            "outbox-relay",
-            "--database-url",
-            "postgres://relay@db/app",
-            "--mode",
-            "log-tailing",
-            "--delete-published",
-        ]);
-        let e = run.relay.config().expect_err("refused");
+        let e = config_of(&["--mode", "log-tailing", "--delete-published"]).expect_err("refused");
         assert!(
             e.contains("--delete-published is for the polling modes"),
             "{e}"
