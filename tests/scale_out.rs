@@ -343,6 +343,55 @@ async fn late_transaction_of_many_batches(extra: &[&str]) {
     }
 }
 
+/// A relay owning four partitions, with rows in one of them only: every step moves all four
+/// cursors to the walk's end, but the three without rows of their own are recorded once a
+/// second at most, not once a step (the progress table grew by a row per owned partition and
+/// step).
+#[tokio::test]
+async fn cursors_that_move_only_with_the_walk_are_recorded_once_a_second_at_most() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let _relay = relay("relay", &db, &stream, &["--partitions", "4"]);
+    // an aggregate of partition 0
+    let i = db.scalar(
+        "SELECT min(i) FROM generate_series(1, 100) AS i \
+         WHERE ('x' || substr(md5('a-' || i), 1, 7))::bit(28)::integer % 4 = 0",
+    );
+    let started = std::time::Instant::now();
+    for n in 0..40 {
+        db.execute(
+            &format!(
+                "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+                 VALUES (gen_random_uuid(), 'account', 'a-{i}', 'account.changed', '{{\"n\": {n}}}')"
+            ),
+            "a row of partition 0",
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    wait_published(&db, 40, Duration::from_secs(20)).await;
+    // the last move of each cursor is recorded within a second
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let seconds = started.elapsed().as_secs_f64().ceil() as i64;
+    let rows = |p: i64| {
+        db.scalar(&format!(
+            "SELECT count(*) FROM outbox_progress WHERE partitions = 4 AND partition = {p}"
+        ))
+    };
+    let hot = rows(0);
+    let cold: Vec<i64> = (1..4).map(rows).collect();
+    eprintln!("progress rows in {seconds} s: partition 0 {hot}, the others {cold:?}");
+    assert!(
+        hot >= 10,
+        "partition 0's cursor is recorded as its rows are acked: {hot}"
+    );
+    for p in 1..4 {
+        let cold = rows(p);
+        assert!(
+            (1..=seconds + 2).contains(&cold),
+            "partition {p}: {cold} progress rows in {seconds} s (partition 0: {hot})"
+        );
+    }
+}
+
 /// A row in doubt and older than the duplicate window whose aggregate has a later row in the
 /// stream is not proof that it was published: a transaction that committed after the later
 /// row's was published (a late commit) has never been sent. The relay decides by the row's

@@ -1,9 +1,10 @@
 //! What the ordered relay has read and not yet recorded, per partition: the cursor it reads
 //! from, the last one recorded, and the batches in between with their unacked rows. The
-//! cursors a batch's acks allow are recorded once per step (see
-//! `outbox_diesel::relay::progress`).
+//! cursors a batch's acks allow are recorded once per step, those that moved only with the
+//! walk once a second at most (see `outbox_diesel::relay::progress`).
 
 use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
 
 use diesel_async::AsyncPgConnection;
 use outbox_diesel::relay::{self as db, OutboxRow, Partition};
@@ -46,6 +47,13 @@ impl Pending {
     }
 }
 
+/// How often a cursor that moved only with the walk (no row of its own partition read) is
+/// recorded at most: every step moves every owned partition's cursor to the walk's end, and a
+/// row per partition and step would grow the progress table with the partitions a relay owns.
+/// Not recording such a move loses nothing: the partition has no row in between, and its next
+/// owner walks past them again.
+pub(super) const WALK_RECORD_INTERVAL: Duration = Duration::from_secs(1);
+
 /// One owned partition's progress.
 #[derive(Debug)]
 struct PartitionProgress {
@@ -53,8 +61,27 @@ struct PartitionProgress {
     read: db::Cursor,
     /// The last cursor recorded in the progress table.
     recorded: db::Cursor,
+    /// When it was recorded (or taken over).
+    recorded_at: Instant,
+    /// Whether rows of this partition were acked since the last record.
+    own_rows: bool,
+    /// A cursor the acks allow that moved only with the walk, not recorded yet.
+    unrecorded: Option<db::Cursor>,
     /// Batches read and not recorded, oldest first.
     pending: std::collections::VecDeque<Pending>,
+}
+
+impl PartitionProgress {
+    fn new(cursor: db::Cursor) -> Self {
+        PartitionProgress {
+            read: cursor.clone(),
+            recorded: cursor,
+            recorded_at: Instant::now(),
+            own_rows: false,
+            unrecorded: None,
+            pending: Default::default(),
+        }
+    }
 }
 
 /// The progress of the partitions a relay owns: their cursors, the batches in flight, and the
@@ -81,14 +108,8 @@ impl Progress {
     ) -> diesel::QueryResult<()> {
         let cursor = db::start_cursor(conn, &cfg.table, partition).await?;
         self.count = partition.count;
-        self.parts.insert(
-            partition.index,
-            PartitionProgress {
-                read: cursor.clone(),
-                recorded: cursor,
-                pending: Default::default(),
-            },
-        );
+        self.parts
+            .insert(partition.index, PartitionProgress::new(cursor));
         Ok(())
     }
 
@@ -173,7 +194,9 @@ impl Progress {
 
     /// Records the cursors the acks allow (with `partial`, also within a batch), marks the
     /// released rows acked (and deletes the acked rows with `--delete-published`); returns
-    /// how many partitions' cursors it recorded.
+    /// how many partitions' cursors it recorded. A cursor that moved only with the walk is
+    /// recorded once per [`WALK_RECORD_INTERVAL`] at most, unless `partial` (a flush, before
+    /// the partitions may change hands).
     pub(super) async fn record(
         &mut self,
         conn: &mut AsyncPgConnection,
@@ -182,27 +205,32 @@ impl Progress {
     ) -> diesel::QueryResult<usize> {
         let mut cursors = Vec::new();
         for (&index, part) in self.parts.iter_mut() {
-            let mut reached = None;
+            let mut reached = part.unrecorded.take();
             while let Some(front) = part.pending.front() {
                 if front.unacked.is_empty() {
                     // a late pass is not recorded: its cursor's place is
                     reached = Some(front.after.recorded());
+                    part.own_rows |= !front.seqs.is_empty();
                     part.pending.pop_front();
                 } else {
                     if partial {
                         reached = front.reached().or(reached);
+                        part.own_rows |= front.unacked.len() < front.seqs.len();
                     }
                     break;
                 }
             }
-            if let Some(c) = reached.filter(|c| *c != part.recorded) {
-                cursors.push((
+            let due =
+                partial || part.own_rows || part.recorded_at.elapsed() >= WALK_RECORD_INTERVAL;
+            match reached.filter(|c| *c != part.recorded) {
+                Some(c) if due => cursors.push((
                     Partition {
                         index,
                         count: self.count,
                     },
                     c,
-                ));
+                )),
+                c => part.unrecorded = c,
             }
         }
         // the acked rows are deleted (or the released ones marked) before the cursor passes
@@ -215,9 +243,12 @@ impl Progress {
             db::mark_released(conn, &cfg.table, &released).await?;
         }
         db::record_progress(conn, &cfg.table, &cursors).await?;
+        let now = Instant::now();
         for (p, c) in &cursors {
             if let Some(part) = self.parts.get_mut(&p.index) {
                 part.recorded = c.clone();
+                part.recorded_at = now;
+                part.own_rows = false;
             }
         }
         Ok(cursors.len())
@@ -282,14 +313,9 @@ mod tests {
             count: 1,
             ..Default::default()
         };
-        progress.parts.insert(
-            0,
-            PartitionProgress {
-                read: db::Cursor::start(),
-                recorded: db::Cursor::start(),
-                pending: Default::default(),
-            },
-        );
+        progress
+            .parts
+            .insert(0, PartitionProgress::new(db::Cursor::start()));
         let row = |seq| OutboxRow {
             seq,
             id: uuid::Uuid::from_u128(seq as u128),
