@@ -148,12 +148,6 @@ pub async fn fetch_batches(
         .filter(|(_, c)| c.late.is_none())
         .map(|(p, c)| (*p, c.upto_seq))
         .collect();
-    let mut walk = vec![i64::MAX; count.max(1) as usize];
-    for (p, upto) in &walking {
-        if let Some(after) = walk.get_mut(*p as usize) {
-            *after = *upto;
-        }
-    }
     let walked_partitions: Vec<i32> = walking.iter().map(|(p, _)| *p as i32).collect();
     let some = cursors.len() < count as usize;
     let shape = if walking.windows(2).any(|w| w[0].1 != w[1].1) {
@@ -163,6 +157,16 @@ pub async fn fetch_batches(
     } else {
         Walk::All
     };
+    // the cursors by partition, bound only when they differ
+    let mut walk = Vec::new();
+    if shape == Walk::EachAfterItsCursor {
+        walk = vec![i64::MAX; count.max(1) as usize];
+        for (p, upto) in &walking {
+            if let Some(after) = walk.get_mut(*p as usize) {
+                *after = *upto;
+            }
+        }
+    }
     let fetched: Vec<Fetched> = BatchStatement {
         sql: batch_sql(table, count, some, shape),
         indexes: &indexes,
@@ -171,7 +175,7 @@ pub async fn fetch_batches(
         limit,
         max_bytes,
         exclude,
-        from: walk.iter().copied().min().unwrap_or(i64::MAX),
+        from: walking.iter().map(|(_, u)| *u).min().unwrap_or(i64::MAX),
         afters: &afters,
         uppers: &uppers,
         walk: &walk,
