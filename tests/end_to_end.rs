@@ -636,8 +636,10 @@ async fn a_table_made_before_snapshot_batches_is_upgraded_and_publishes_only_its
     use diesel_migrations::MigrationHarness;
     let (db, stream) = (TestDb::new(), TestStream::new());
     let mut conn = db.conn();
-    conn.revert_last_migration(outbox_diesel::MIGRATIONS)
-        .expect("back to the table of the earlier migrations");
+    for _ in 0..2 {
+        conn.revert_last_migration(outbox_diesel::MIGRATIONS)
+            .expect("back to the table of the earlier migrations");
+    }
     let has_txid = "SELECT count(*) FROM pg_attribute WHERE attrelid = 'outbox'::regclass \
                     AND attname = 'txid' AND NOT attisdropped";
     assert_eq!(db.scalar(has_txid), 0);
@@ -689,6 +691,69 @@ async fn a_table_made_before_snapshot_batches_is_upgraded_and_publishes_only_its
         3,
         "the rows the earlier relay published keep their time"
     );
+}
+
+/// A table whose progress table predates recorded late passes, with rows an ordered relay
+/// published: the operations still read its cursors, the ordered relay refuses it until
+/// `create_table` upgrades it, and then goes on from its cursor.
+#[tokio::test]
+async fn a_progress_table_made_before_late_passes_is_read_then_upgraded_by_create_table() {
+    use diesel_migrations::MigrationHarness;
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let mut conn = db.conn();
+    let record = |conn: &mut PgConnection, i: i64| {
+        conn.transaction(|conn| {
+            conn.record_event(&OrderPlaced {
+                order_id: format!("u-{i}"),
+                n: i,
+            })
+        })
+        .expect("record");
+    };
+    for i in 1..=3 {
+        record(&mut conn, i);
+    }
+    let relay = InProcessRelay::start(config(&db, &stream), &stream).await;
+    wait_published(&db, 3, Duration::from_secs(60)).await;
+    relay.stop().await;
+
+    conn.revert_last_migration(outbox_diesel::MIGRATIONS)
+        .expect("back to the progress table without late passes");
+    let has_late_pass = "SELECT count(*) FROM pg_attribute WHERE attrelid = \
+                         'outbox_progress'::regclass AND attname = 'late_after_seq' \
+                         AND NOT attisdropped";
+    assert_eq!(db.scalar(has_late_pass), 0);
+    record(&mut conn, 4);
+    let mut a = db.async_conn().await;
+    let backlog = outbox_diesel::relay::backlog(&mut a, &OutboxTable::DEFAULT)
+        .await
+        .expect("the operations read the cursors of the older progress table");
+    assert_eq!(
+        backlog.unpublished, 1,
+        "the three published rows are covered"
+    );
+
+    let nats = async_nats::connect(&stream.nats_url)
+        .await
+        .expect("connect to NATS");
+    let refused = Relay::new(config(&db, &stream), nats)
+        .run(tokio_util::sync::CancellationToken::new())
+        .await
+        .expect_err("the ordered relay refuses a progress table without late passes");
+    assert!(refused.to_string().contains("late passes"), "{refused}");
+
+    outbox_diesel::create_table(&mut conn, &OutboxTable::DEFAULT).expect("upgrade");
+    assert_eq!(db.scalar(has_late_pass), 1);
+    let relay = InProcessRelay::start(config(&db, &stream), &stream).await;
+    wait_published(&db, 4, Duration::from_secs(60)).await;
+    relay.stop().await;
+    let got: Vec<String> = stream
+        .read_all()
+        .await
+        .into_iter()
+        .map(|m| m.aggregate_id)
+        .collect();
+    assert_eq!(got, ["u-1", "u-2", "u-3", "u-4"]);
 }
 
 /// A writer that notifies once a minute (so only its first commit wakes the relay), the

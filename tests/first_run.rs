@@ -303,7 +303,7 @@ fn replicas_starting_together_migrate_the_outbox_once_and_all_succeed() {
         assert!(failures.is_empty(), "round {round}: {failures:?}");
         assert_eq!(
             db.scalar("SELECT count(*) FROM __diesel_schema_migrations"),
-            4,
+            5,
             "each migration recorded once"
         );
         assert_eq!(db.scalar("SELECT count(*) FROM outbox"), 0);

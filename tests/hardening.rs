@@ -1328,6 +1328,167 @@ async fn a_late_transaction_larger_than_a_batch_is_read_in_parts_within_its_limi
     );
 }
 
+/// A late pass recorded with its cursor: a new owner of the partition (another relay, or the
+/// same one restarted) loads the pass and reads on after its last recorded part, so no row of
+/// the pass is read twice; the audit view dates the rows read so far, the backlog no longer
+/// counts them, and a relay of another mode taking over marks them published.
+#[tokio::test]
+async fn a_late_pass_recorded_goes_on_where_it_stood_under_a_new_owner() {
+    use outbox_diesel::relay::{
+        Cursor, Partition, Source, backlog, fetch_batches, load_cursor, record_progress,
+        settle_progress,
+    };
+    let db = TestDb::new();
+    insert_rows_over(&db, 10, 10);
+    let table = outbox_diesel::OutboxTable::DEFAULT;
+    let part = Partition { index: 0, count: 1 };
+    let mut conn = db.relay_session().await;
+    let step = async |conn: &mut diesel_async::AsyncPgConnection, cursor: &mut Cursor| {
+        let batches = fetch_batches(conn, &table, 1, &[(0, cursor.clone())], &[], 8, i64::MAX)
+            .await
+            .expect("fetch");
+        let (_, batch) = batches.into_iter().next().expect("the partition's batch");
+        *cursor = batch.next.clone();
+        batch
+            .rows
+            .iter()
+            .map(|(r, s)| (r.seq, *s))
+            .collect::<Vec<_>>()
+    };
+    let mut cursor = Cursor::start();
+    let mut read: Vec<i64> = Vec::new();
+    read.extend(step(&mut conn, &mut cursor).await.iter().map(|(s, _)| *s));
+    read.extend(step(&mut conn, &mut cursor).await.iter().map(|(s, _)| *s));
+    assert_eq!(read.len(), 10);
+    let commit = hold_open(
+        &db,
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), 'bulk', 'b-' || (i % 7), 'bulk.loaded', '{}' \
+         FROM generate_series(1, 30) AS i",
+    );
+    insert_rows_over(&db, 4, 10);
+    read.extend(step(&mut conn, &mut cursor).await.iter().map(|(s, _)| *s));
+    assert_eq!(read.len(), 14, "the rows after the held ones");
+    commit();
+
+    // the first part of the pass: 8 of the 30 late rows, recorded with the pass
+    let first = step(&mut conn, &mut cursor).await;
+    assert_eq!(first.len(), 8);
+    assert!(first.iter().all(|(_, s)| *s == Source::Late), "{first:?}");
+    assert!(cursor.late.is_some(), "a pass: more late rows than a batch");
+    read.extend(first.iter().map(|(s, _)| *s));
+    record_progress(&mut conn, &table, &[(part, cursor.clone())])
+        .await
+        .expect("record");
+    drop(conn);
+
+    // a new owner: the pass is where it stood
+    let mut conn = db.relay_session().await;
+    let loaded = load_cursor(&mut conn, &table, part)
+        .await
+        .expect("load")
+        .expect("a recorded cursor");
+    assert_eq!(loaded, cursor, "the cursor with its pass");
+    let dated = seqs_where(
+        &db,
+        "seq IN (SELECT seq FROM outbox_audit WHERE published_at IS NOT NULL)",
+    );
+    let mut so_far = read.clone();
+    so_far.sort_unstable();
+    assert_eq!(
+        dated, so_far,
+        "the audit view dates every row read, the pass's part too"
+    );
+    let waiting = backlog(&mut conn, &table)
+        .await
+        .expect("backlog")
+        .unpublished;
+    assert_eq!(waiting, 30 - 8, "the backlog: the pass's rows not read yet");
+
+    let mut cursor = loaded;
+    for _ in 0..10 {
+        let got = step(&mut conn, &mut cursor).await;
+        if got.is_empty() && cursor.late.is_none() {
+            break;
+        }
+        read.extend(got.iter().map(|(s, _)| *s));
+    }
+    let mut seqs = read.clone();
+    seqs.sort_unstable();
+    seqs.dedup();
+    assert_eq!(seqs.len(), read.len(), "no row read twice: {read:?}");
+    assert_eq!(seqs, seqs_where(&db, "true"), "every row read");
+
+    // recorded mid-pass, then settled by a relay of another mode: what was read is marked, the
+    // pass's other rows are left to publish
+    let db = recorded_mid_pass().await;
+    let mut conn = db.relay_session().await;
+    let marked = settle_progress(&mut conn, &table).await.expect("settle");
+    assert_eq!(
+        marked,
+        4 + 8,
+        "the rows read before the pass and its first part"
+    );
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL"),
+        12,
+        "the pass's rows not read are left to publish"
+    );
+
+    // recorded mid-pass, then archived after the retention: each row read, dated
+    let db = recorded_mid_pass().await;
+    db.execute("CREATE TABLE outbox_archive (LIKE outbox)", "archive table");
+    let mut conn = db.relay_session().await;
+    let archive: outbox_diesel::OutboxTable = "outbox_archive".parse().expect("a name");
+    let moved =
+        outbox_diesel::relay::archive_read(&mut conn, &table, &archive, Duration::ZERO, 100)
+            .await
+            .expect("archive");
+    assert_eq!(moved, 4 + 8);
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM outbox_archive WHERE published_at IS NOT NULL"),
+        12,
+        "every archived row dated by the batch that read it"
+    );
+}
+
+/// A table of 24 rows in one partition whose cursor is recorded in a late pass: 4 rows read,
+/// then 8 of the 20 rows of a transaction committed after them.
+async fn recorded_mid_pass() -> TestDb {
+    use outbox_diesel::relay::{Cursor, Partition, fetch_batches, record_progress};
+    let db = TestDb::new();
+    let table = outbox_diesel::OutboxTable::DEFAULT;
+    insert_rows_over(&db, 2, 2);
+    let commit = hold_open(
+        &db,
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), 'bulk', 'b-1', 'bulk.loaded', '{}' \
+         FROM generate_series(1, 20) AS i",
+    );
+    insert_rows_over(&db, 2, 2);
+    let mut conn = db.relay_session().await;
+    let mut step = async |cursor: Cursor| {
+        let batches = fetch_batches(&mut conn, &table, 1, &[(0, cursor)], &[], 8, i64::MAX)
+            .await
+            .expect("fetch");
+        let (_, batch) = batches.into_iter().next().expect("the partition's batch");
+        (batch.rows.len(), batch.next)
+    };
+    let (first, cursor) = step(Cursor::start()).await;
+    commit();
+    let (second, cursor) = step(cursor).await;
+    assert_eq!((first, second), (4, 8));
+    assert!(cursor.late.is_some(), "in a pass");
+    record_progress(
+        &mut conn,
+        &table,
+        &[(Partition { index: 0, count: 1 }, cursor)],
+    )
+    .await
+    .expect("record");
+    db
+}
+
 // 10. `retry` releases the parked row and the rows held back behind it, which are published
 // in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

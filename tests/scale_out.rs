@@ -325,6 +325,10 @@ async fn late_transaction_of_many_batches(extra: &[&str]) {
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(0.0);
     assert!(passes >= 1.0, "a late pass counted:\n{body}");
+    assert!(
+        db.scalar("SELECT count(*) FROM outbox_progress WHERE late_after_seq IS NOT NULL") >= 1,
+        "the pass's parts recorded with their cursor"
+    );
     let mut per_aggregate: HashMap<&str, Vec<i64>> = HashMap::new();
     for m in got.iter().filter(|m| m.aggregate_id.starts_with("b-")) {
         per_aggregate

@@ -69,6 +69,8 @@ pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
 const UP_SQL: &str = include_str!("../migrations/2026-12-01-000000_create_outbox/up.sql");
 const READY_SQL: &str = include_str!("../migrations/2026-12-03-000000_outbox_ready/up.sql");
 const SNAPSHOT_SQL: &str = include_str!("../migrations/2026-12-05-000000_snapshot_batches/up.sql");
+const LATE_PASS_SQL: &str =
+    include_str!("../migrations/2026-12-05-000100_durable_late_pass/up.sql");
 
 /// Applies the outbox's pending migrations (creating the tables `outbox` and
 /// `processed_messages`).
@@ -111,7 +113,7 @@ pub fn create_table_sql(table: &OutboxTable) -> String {
         .replace("CREATE INDEX outbox_", &format!("CREATE INDEX {prefix}_"))
         .lines()
         .map(|l| quote_object_names(l, prefix))
-        .chain(std::iter::once(snapshot))
+        .chain([snapshot, late_pass_sql(table)])
         .collect::<Vec<_>>()
         .join("\n")
 }
@@ -153,6 +155,31 @@ fn snapshot_sql(table: &OutboxTable) -> String {
         )
         .replace("ALTER TABLE outbox ADD", &format!("ALTER TABLE {q} ADD"))
         .replace("  FROM outbox o;", &format!("  FROM {q} o;"))
+        .trim_end()
+        .to_owned()
+}
+
+/// The DDL that records late passes with their cursor (two columns of the progress table and
+/// the audit view that reads them) for `table`: the migration `2026-12-05-000100_durable_late_pass`
+/// with `table`'s names.
+fn late_pass_sql(table: &OutboxTable) -> String {
+    let progress = table.progress_table();
+    let check = crate::table::quote_ident(&format!("{}_progress_late_pass", table.name()));
+    LATE_PASS_SQL
+        .replace(
+            "ALTER TABLE outbox_progress ADD",
+            &format!("ALTER TABLE {progress} ADD"),
+        )
+        .replace(
+            "CONSTRAINT outbox_progress_late_pass ",
+            &format!("CONSTRAINT {check} "),
+        )
+        .replace(
+            "CREATE OR REPLACE VIEW outbox_audit ",
+            &format!("CREATE OR REPLACE VIEW {} ", table.audit_view()),
+        )
+        .replace("FROM outbox_progress p", &format!("FROM {progress} p"))
+        .replace("  FROM outbox o;", &format!("  FROM {} o;", table.quoted()))
         .trim_end()
         .to_owned()
 }
@@ -239,16 +266,26 @@ fn create_table_locked(conn: &mut PgConnection, table: &OutboxTable) -> diesel::
             .sql("))"),
         )
         .get_result(conn)?;
-        if has_txid {
-            return Ok(());
-        }
+        // and one made before late passes were recorded gets their columns
+        let has_late_pass: bool = has_txid
+            && diesel::select(
+                diesel::dsl::sql::<diesel::sql_types::Bool>(
+                    "EXISTS (SELECT 1 FROM pg_attribute WHERE attname = 'late_after_seq' \
+                     AND NOT attisdropped AND attrelid = to_regclass(",
+                )
+                .bind::<diesel::sql_types::Text, _>(table.progress_table())
+                .sql("))"),
+            )
+            .get_result(conn)?;
+        let upgrade = match (has_txid, has_late_pass) {
+            (true, true) => return Ok(()),
+            (true, false) => late_pass_sql(table),
+            (false, _) => format!("{}\n{}", snapshot_sql(table), late_pass_sql(table)),
+        };
         return conn.transaction(|conn| {
             diesel::connection::SimpleConnection::batch_execute(
                 conn,
-                &format!(
-                    "SET LOCAL standard_conforming_strings = on;\n{}",
-                    snapshot_sql(table)
-                ),
+                &format!("SET LOCAL standard_conforming_strings = on;\n{upgrade}"),
             )
         });
     }
@@ -272,7 +309,26 @@ mod tests {
     fn default_ddl_is_the_migration() {
         assert_eq!(
             create_table_sql(&OutboxTable::DEFAULT).replace('"', ""),
-            format!("{UP_SQL}{READY_SQL}{SNAPSHOT_SQL}").trim_end()
+            format!(
+                "{UP_SQL}{READY_SQL}{}\n{}",
+                SNAPSHOT_SQL.trim_end(),
+                LATE_PASS_SQL.trim_end()
+            )
+        );
+    }
+
+    #[test]
+    fn late_pass_ddl_renames_every_object() {
+        let sql = late_pass_sql(&"s.ev".parse().expect("valid"));
+        assert!(!sql.contains("outbox"), "{sql}");
+        assert!(
+            sql.contains(r#"ALTER TABLE "s"."ev_progress" ADD COLUMN late_after_seq"#),
+            "{sql}"
+        );
+        assert!(sql.contains(r#"VIEW "s"."ev_audit" AS"#), "{sql}");
+        assert!(
+            sql.contains(r#"CONSTRAINT "ev_progress_late_pass" CHECK"#),
+            "{sql}"
         );
     }
 

@@ -67,9 +67,10 @@ pub enum RelayError {
         "the outbox table {0} does not exist (or is not visible to this role); apply outbox-diesel's migrations (outbox_diesel::MIGRATIONS) or create it with outbox_diesel::create_table, or pass --table"
     )]
     TableMissing(String),
-    /// The outbox table predates snapshot batches, which the ordered relay reads it by.
+    /// The outbox table predates snapshot batches, which the ordered relay reads it by, or the
+    /// columns that record their late passes.
     #[error(
-        "the outbox table {0} has no `txid` column or no progress table (it predates snapshot batches); apply outbox-diesel's migrations (outbox_diesel::MIGRATIONS) or run outbox_diesel::create_table, which upgrade it"
+        "the outbox table {0} predates snapshot batches or their late passes (it has no `txid` column, no progress table, or no `late_after_seq` column in it); apply outbox-diesel's migrations (outbox_diesel::MIGRATIONS) or run outbox_diesel::create_table, which upgrade it"
     )]
     TableOutdated(String),
     /// The stream could not be found or made, or does not capture the subjects.

@@ -6,7 +6,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use crate::OutboxTable;
 
-use super::{COVERED, cursors_cte, has_progress, may_read_progress, progress_table};
+use super::{COVERED, cursors_cte, has_cursors, may_read_progress, progress_table};
 
 /// What the operations need to tell the rows a cursor read from the unpublished ones: for a
 /// table with snapshot batches, its cursors (`WITH c AS …`) and [`COVERED`]; for one made
@@ -20,7 +20,7 @@ impl Coverage {
     /// [`settle_progress`](super::settle_progress)). A role that may not read the progress table was never an ordered
     /// relay's (a log-tailing relay granted only the outbox table): for it, nothing is covered.
     pub(crate) async fn of(conn: &mut AsyncPgConnection, table: &OutboxTable) -> QueryResult<Self> {
-        if !has_progress(conn, table).await? || !may_read_progress(conn, table, "SELECT").await? {
+        if !has_cursors(conn, table).await? || !may_read_progress(conn, table, "SELECT").await? {
             return Ok(Coverage { cte: None });
         }
         let f: super::super::Flag = diesel::sql_query(format!(

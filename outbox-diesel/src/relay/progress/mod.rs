@@ -22,7 +22,9 @@
 //! cursor keeps `(W, S)` and starts a [`LatePass`] at the statement's snapshot `S2`: the next
 //! batches read the late rows `S2` sees after the pass's `seq`, in parts, in `seq` order, and
 //! none of the partition's next rows; once through, the cursor is `(W, S2)`, and what `S2` did
-//! not see is late for it as before.
+//! not see is late for it as before. Each part's progress row records the pass with its cursor
+//! (`late_after_seq`, `late_snap`), so that a relay taking the partition over during the pass
+//! goes on where it stood.
 //!
 //! A relay reads every partition it owns with one statement ([`fetch_batches`]): the next rows
 //! are one walk through those partitions' rows after the lowest of their cursors, and each
@@ -72,10 +74,9 @@ pub struct Cursor {
 /// (a large transaction held open across batches). The pass reads, in `seq` order and within
 /// the batch's limits, the late rows that its snapshot `snap` sees, after `after_seq`; the
 /// partition's next rows wait until it ends, and its cursor then becomes `(upto_seq, snap)`.
-/// A pass lives in the relay's memory only: the progress table records cursors without it
-/// (so `<table>_audit` shows the pass's rows published once it ends), and a relay that stops
-/// during a pass leaves it to be read again from its start (what was published is in the
-/// stream already, and JetStream or the look-ups drop it).
+/// The progress table records the pass with its cursor (`late_after_seq`, `late_snap`): a
+/// relay that takes the partition over during the pass goes on after its last recorded part,
+/// and `<table>_audit` dates each row the pass read by the part that read it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LatePass {
     /// The highest `seq` the pass has read.
@@ -91,11 +92,22 @@ struct StoredCursor {
     upto_seq: i64,
     #[diesel(sql_type = Text)]
     snap: String,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    late_after_seq: Option<i64>,
+    #[diesel(sql_type = Nullable<Text>)]
+    late_snap: Option<String>,
 }
 
 impl From<StoredCursor> for Cursor {
     fn from(c: StoredCursor) -> Cursor {
-        Cursor::at(c.upto_seq, c.snap)
+        Cursor {
+            upto_seq: c.upto_seq,
+            snap: c.snap,
+            late: c
+                .late_after_seq
+                .zip(c.late_snap)
+                .map(|(after_seq, snap)| LatePass { after_seq, snap }),
+        }
     }
 }
 
@@ -113,11 +125,6 @@ impl Cursor {
             late: None,
         }
     }
-
-    /// What the progress table records of it: the cursor without its late pass.
-    pub fn recorded(&self) -> Cursor {
-        Cursor::at(self.upto_seq, self.snap.clone())
-    }
 }
 
 fn progress_table(table: &OutboxTable) -> String {
@@ -125,34 +132,68 @@ fn progress_table(table: &OutboxTable) -> String {
 }
 
 /// `c`: the last cursor of every partition of the newest partition count in the progress
-/// table (a partition not read yet: [`Cursor::start`]); no row when nothing was recorded.
+/// table (a partition not read yet: [`Cursor::start`]), with its late pass (NULLs when none);
+/// no row when nothing was recorded. The pass is read through `to_jsonb` of the progress row,
+/// so that the operations also read a progress table made before passes were recorded
+/// (whose relays recorded none), which has no columns for them.
 pub(crate) fn cursors_cte(table: &OutboxTable) -> String {
     let p = progress_table(table);
     format!(
         "c AS MATERIALIZED (SELECT m.n AS partitions, g.p AS partition, \
          COALESCE(l.upto_seq, 0) AS upto_seq, COALESCE(l.snap, '1:1:'::pg_snapshot) AS snap, \
-         l.published_at \
+         l.published_at, (l.j ->> 'late_after_seq')::int8 AS late_after_seq, \
+         (l.j ->> 'late_snap')::pg_snapshot AS late_snap \
          FROM (SELECT partitions AS n FROM {p} ORDER BY id DESC LIMIT 1) m \
          CROSS JOIN generate_series(0, m.n - 1) AS g(p) \
-         LEFT JOIN LATERAL (SELECT upto_seq, snap, published_at FROM {p} \
-         WHERE partitions = m.n AND partition = g.p ORDER BY id DESC LIMIT 1) l ON true)"
+         LEFT JOIN LATERAL (SELECT r.upto_seq, r.snap, r.published_at, to_jsonb(r) AS j \
+         FROM {p} r WHERE r.partitions = m.n AND r.partition = g.p ORDER BY r.id DESC LIMIT 1) l \
+         ON true)"
     )
 }
 
-/// Whether row `o` was read by its partition's cursor in `c` (see [`cursors_cte`]).
+/// Whether row `o` was read by its partition's cursor in `c` (see [`cursors_cte`]): at or below
+/// its `seq` and seen by its snapshot, or read by its late pass.
 pub(crate) const COVERED: &str = "EXISTS (SELECT 1 FROM c WHERE o.aggregate_hash % c.partitions \
-     = c.partition AND o.seq <= c.upto_seq AND pg_visible_in_snapshot(o.txid, c.snap))";
+     = c.partition AND o.seq <= c.upto_seq AND (pg_visible_in_snapshot(o.txid, c.snap) \
+     OR (o.seq <= c.late_after_seq AND pg_visible_in_snapshot(o.txid, c.late_snap))))";
 
-/// Whether `table` has what snapshot batches need: its `txid` column and its progress table.
-/// A table made before them gets both from [`create_table`](crate::create_table) or the
-/// migrations.
+/// Whether the progress row `p` covers row `o`: the first such row of `o`'s partition (by
+/// `upto_seq`, then `id`) is the batch that read it, and dates its publication.
+pub(crate) const PROGRESS_COVERS: &str = "p.upto_seq >= o.seq \
+     AND p.partition = o.aggregate_hash % p.partitions \
+     AND (pg_visible_in_snapshot(o.txid, p.snap) \
+     OR (p.late_after_seq >= o.seq AND pg_visible_in_snapshot(o.txid, p.late_snap)))";
+
+/// Whether `table` has what snapshot batches need: its `txid` column and its progress table,
+/// with the columns that record a late pass. A table made before them gets them from
+/// [`create_table`](crate::create_table) or the migrations.
 pub async fn has_progress(conn: &mut AsyncPgConnection, table: &OutboxTable) -> QueryResult<bool> {
+    progress_with(conn, table, "late_after_seq").await
+}
+
+/// Whether `table` has a `txid` column and a progress table, whether or not it records late
+/// passes: cursors an ordered relay recorded, which the operations read.
+pub(crate) async fn has_cursors(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+) -> QueryResult<bool> {
+    progress_with(conn, table, "partition").await
+}
+
+/// Whether `table` has a `txid` column and a progress table with the column `column`.
+async fn progress_with(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    column: &str,
+) -> QueryResult<bool> {
     let f: super::Flag = diesel::sql_query(
-        "SELECT to_regclass($1) IS NOT NULL AND EXISTS (SELECT 1 FROM pg_attribute \
+        "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) \
+         AND attname = $3 AND NOT attisdropped) AND EXISTS (SELECT 1 FROM pg_attribute \
          WHERE attrelid = to_regclass($2) AND attname = 'txid' AND NOT attisdropped) AS flag",
     )
     .bind::<Text, _>(progress_table(table))
     .bind::<Text, _>(table.quoted())
+    .bind::<Text, _>(column)
     .get_result(conn)
     .await?;
     Ok(f.flag.unwrap_or(false))
@@ -165,8 +206,8 @@ pub async fn load_cursor(
     partition: Partition,
 ) -> QueryResult<Option<Cursor>> {
     let rows: Vec<StoredCursor> = diesel::sql_query(format!(
-        "SELECT upto_seq, snap::text AS snap FROM {} WHERE partitions = $1 AND partition = $2 \
-         ORDER BY id DESC LIMIT 1",
+        "SELECT upto_seq, snap::text AS snap, late_after_seq, late_snap::text AS late_snap \
+         FROM {} WHERE partitions = $1 AND partition = $2 ORDER BY id DESC LIMIT 1",
         progress_table(table)
     ))
     .bind::<Integer, _>(partition.count as i32)
@@ -226,7 +267,7 @@ pub async fn start_cursor(
              SELECT lim.w AS upto_seq, (lim.xmin::text || ':' || lim.xmax::text || ':' || \
              COALESCE((SELECT string_agg(x::text, ',' ORDER BY x) FROM (SELECT DISTINCT x \
              FROM c, pg_snapshot_xip(c.snap) AS x WHERE x < lim.xmax) d), ''))::pg_snapshot::text \
-             AS snap FROM lim"
+             AS snap, NULL::int8 AS late_after_seq, NULL::text AS late_snap FROM lim"
         ))
         .get_result(conn)
         .await?;
@@ -273,8 +314,8 @@ async fn lock_progress(conn: &mut AsyncPgConnection, quoted: &str) -> QueryResul
     .map(drop)
 }
 
-/// Records the cursors of a batch, one row per partition; the last one of a partition is where
-/// its next owner goes on from. Traced as the span `outbox.mark`.
+/// Records the cursors of a batch, one row per partition, each with its late pass; the last one
+/// of a partition is where its next owner goes on from. Traced as the span `outbox.mark`.
 #[tracing::instrument(name = "outbox.mark", level = "debug", skip_all, fields(outbox.table = %table, outbox.partitions = cursors.len()))]
 pub async fn record_progress(
     conn: &mut AsyncPgConnection,
@@ -288,16 +329,27 @@ pub async fn record_progress(
     let indexes: Vec<i32> = cursors.iter().map(|(p, _)| p.index as i32).collect();
     let seqs: Vec<i64> = cursors.iter().map(|(_, c)| c.upto_seq).collect();
     let snaps: Vec<&str> = cursors.iter().map(|(_, c)| c.snap.as_str()).collect();
+    let late_seqs: Vec<Option<i64>> = cursors
+        .iter()
+        .map(|(_, c)| c.late.as_ref().map(|l| l.after_seq))
+        .collect();
+    let late_snaps: Vec<Option<&str>> = cursors
+        .iter()
+        .map(|(_, c)| c.late.as_ref().map(|l| l.snap.as_str()))
+        .collect();
     diesel::sql_query(format!(
-        "INSERT INTO {} (partitions, partition, upto_seq, snap) \
-         SELECT n, i, s, x::pg_snapshot FROM unnest($1::int[], $2::int[], $3::bigint[], $4::text[]) \
-         AS u(n, i, s, x)",
+        "INSERT INTO {} (partitions, partition, upto_seq, snap, late_after_seq, late_snap) \
+         SELECT n, i, s, x::pg_snapshot, ls, lx::pg_snapshot \
+         FROM unnest($1::int[], $2::int[], $3::bigint[], $4::text[], $5::bigint[], $6::text[]) \
+         AS u(n, i, s, x, ls, lx)",
         progress_table(table)
     ))
     .bind::<Array<Integer>, _>(counts)
     .bind::<Array<Integer>, _>(indexes)
     .bind::<Array<BigInt>, _>(seqs)
     .bind::<Array<Text>, _>(snaps)
+    .bind::<Array<Nullable<BigInt>>, _>(late_seqs)
+    .bind::<Array<Nullable<Text>>, _>(late_snaps)
     .execute(conn)
     .await
     .map(drop)
@@ -326,7 +378,7 @@ pub async fn settle_progress(
     conn: &mut AsyncPgConnection,
     table: &OutboxTable,
 ) -> QueryResult<usize> {
-    if !has_progress(conn, table).await? {
+    if !has_cursors(conn, table).await? {
         return Ok(0);
     }
     if !may_read_progress(conn, table, "SELECT, DELETE").await? {

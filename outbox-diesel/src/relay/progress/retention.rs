@@ -7,7 +7,7 @@ use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncC
 
 use crate::OutboxTable;
 
-use super::{COVERED, progress_table};
+use super::{COVERED, PROGRESS_COVERS, progress_table};
 
 /// Deletes up to `limit` rows a cursor read more than `older_than` ago (by the time of the
 /// last batch recorded before then), oldest first; returns how many. The rows are found first
@@ -73,9 +73,8 @@ pub async fn archive_read(
     let dated = columns.replace(
         "published_at",
         &format!(
-            "(SELECT p.published_at FROM {p} p WHERE p.upto_seq >= m.seq \
-             AND p.partition = m.aggregate_hash % p.partitions \
-             AND pg_visible_in_snapshot(m.txid, p.snap) ORDER BY p.upto_seq, p.id LIMIT 1)"
+            "(SELECT p.published_at FROM {p} p WHERE {PROGRESS_COVERS} \
+             ORDER BY p.upto_seq, p.id LIMIT 1)"
         ),
     );
     let sql = format!(
@@ -83,7 +82,7 @@ pub async fn archive_read(
          WHERE o.published_at IS NULL AND o.parked_at IS NULL \
          AND o.seq <= (SELECT max(upto_seq) FROM c) AND {COVERED} ORDER BY o.seq LIMIT $2 \
          FOR UPDATE SKIP LOCKED)) RETURNING {columns}) \
-         INSERT INTO {a} ({columns}) SELECT {dated} FROM moved m",
+         INSERT INTO {a} ({columns}) SELECT {dated} FROM moved o",
         old_cursors_cte(table)
     );
     in_seq_order(conn, sql, older_than, limit).await
@@ -93,10 +92,12 @@ pub async fn archive_read(
 fn old_cursors_cte(table: &OutboxTable) -> String {
     let p = progress_table(table);
     format!(
-        "c AS MATERIALIZED (SELECT m.n AS partitions, g.p AS partition, l.upto_seq, l.snap \
+        "c AS MATERIALIZED (SELECT m.n AS partitions, g.p AS partition, l.upto_seq, l.snap, \
+         l.late_after_seq, l.late_snap \
          FROM (SELECT partitions AS n FROM {p} ORDER BY id DESC LIMIT 1) m \
          CROSS JOIN generate_series(0, m.n - 1) AS g(p) \
-         JOIN LATERAL (SELECT upto_seq, snap FROM {p} WHERE partitions = m.n AND partition = g.p \
+         JOIN LATERAL (SELECT upto_seq, snap, late_after_seq, late_snap FROM {p} \
+         WHERE partitions = m.n AND partition = g.p \
          AND published_at < now() - make_interval(secs => $1) ORDER BY id DESC LIMIT 1) l ON true)"
     )
 }

@@ -30,7 +30,7 @@ impl Pending {
     /// snapshot of the batch with the highest `seq` acked; otherwise none.
     fn reached(&self) -> Option<db::Cursor> {
         let Some(&first_unacked) = self.unacked.first() else {
-            return Some(self.after.recorded());
+            return Some(self.after.clone());
         };
         if first_unacked <= self.before {
             return None;
@@ -208,8 +208,7 @@ impl Progress {
             let mut reached = part.unrecorded.take();
             while let Some(front) = part.pending.front() {
                 if front.unacked.is_empty() {
-                    // a late pass is not recorded: its cursor's place is
-                    reached = Some(front.after.recorded());
+                    reached = Some(front.after.clone());
                     part.own_rows |= !front.seqs.is_empty();
                     part.pending.pop_front();
                 } else {
@@ -283,6 +282,27 @@ mod tests {
             unacked: BTreeSet::new(),
         };
         assert_eq!(p.reached(), Some(cursor(20, "5:9:")));
+    }
+
+    #[test]
+    fn a_part_of_a_late_pass_acked_whole_reaches_its_cursor_with_the_pass() {
+        let mut after = cursor(20, "5:9:5");
+        after.late = Some(db::LatePass {
+            after_seq: 8,
+            snap: "9:9:".into(),
+        });
+        let p = Pending {
+            before: 20,
+            after: after.clone(),
+            seqs: vec![6, 7, 8],
+            unacked: BTreeSet::new(),
+        };
+        assert_eq!(p.reached(), Some(after), "recorded with its pass");
+        let part = Pending {
+            unacked: [8].into_iter().collect(),
+            ..p
+        };
+        assert_eq!(part.reached(), None, "a part not acked whole: nothing");
     }
 
     #[test]
