@@ -1328,6 +1328,53 @@ async fn a_late_transaction_larger_than_a_batch_is_read_in_parts_within_its_limi
     );
 }
 
+/// The batch statement of a late pass's part at `late` late rows (a transaction held open
+/// while 4 later rows were read, then committed), in a relay's session: its plan and buffers.
+async fn late_part_plan(late: i64) -> (u64, Vec<String>) {
+    use outbox_diesel::relay::{Cursor, Partition, explain_batch_analyze, fetch_batches};
+    let db = TestDb::new();
+    let table = outbox_diesel::OutboxTable::DEFAULT;
+    insert_rows_over(&db, 2, 2);
+    let bulk = format!(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), 'bulk', 'b-' || (i % 7), 'bulk.loaded', \
+         jsonb_build_object('n', i) FROM generate_series(1, {late}) AS i"
+    );
+    let commit = hold_open(&db, &bulk);
+    insert_rows_over(&db, 2, 2);
+    let mut conn = db.relay_session().await;
+    let mut step = async |cursor: Cursor| {
+        let batches = fetch_batches(&mut conn, &table, 1, &[(0, cursor)], &[], 8, i64::MAX)
+            .await
+            .expect("fetch");
+        batches.into_iter().next().expect("the batch").1.next
+    };
+    let cursor = step(Cursor::start()).await;
+    commit();
+    db.execute("VACUUM ANALYZE outbox", "vacuum");
+    let cursor = step(cursor).await;
+    assert!(cursor.late.is_some(), "in a late pass");
+    let plan = explain_batch_analyze(&mut conn, &table, Partition::ALL, &cursor, 8)
+        .await
+        .expect("explain");
+    (buffers(&plan), plan)
+}
+
+/// Each part of a late pass costs what its rows do: the part after the first 8 of 20,000 late
+/// rows reads no more than the same part of 200 (each part read every late row left, sorted
+/// them and counted them: a pass was quadratic in its rows).
+#[tokio::test]
+async fn a_late_pass_reads_each_part_at_the_cost_of_the_part_not_of_the_pass() {
+    let (small, _) = late_part_plan(200).await;
+    let (large, plan) = late_part_plan(20_000).await;
+    println!("a pass's part: {small} buffers with 200 late rows, {large} with 20,000");
+    assert!(
+        large <= small + 20,
+        "{large} buffers with 20,000 late rows, {small} with 200:\n{}",
+        plan.join("\n")
+    );
+}
+
 /// A late pass recorded with its cursor: a new owner of the partition (another relay, or the
 /// same one restarted) loads the pass and reads on after its last recorded part, so no row of
 /// the pass is read twice; the audit view dates the rows read so far, the backlog no longer

@@ -159,13 +159,27 @@ fn snapshot_sql(table: &OutboxTable) -> String {
         .to_owned()
 }
 
-/// The DDL that records late passes with their cursor (two columns of the progress table and
-/// the audit view that reads them) for `table`: the migration `2026-12-05-000100_durable_late_pass`
+/// The DDL that records late passes with their cursor (two columns of the progress table, the
+/// audit view that reads them, and the transaction id index that carries `seq`) for `table`: the migration `2026-12-05-000100_durable_late_pass`
 /// with `table`'s names.
 fn late_pass_sql(table: &OutboxTable) -> String {
     let progress = table.progress_table();
     let check = crate::table::quote_ident(&format!("{}_progress_late_pass", table.name()));
+    let txid_index = crate::table::quote_ident(&format!("{}_txid", table.name()));
+    // dropped by its qualified name: the index lives in the table's schema
+    let qualified_txid_index = match table.schema() {
+        Some(s) => format!("{}.{txid_index}", crate::table::quote_ident(s)),
+        None => txid_index.clone(),
+    };
     LATE_PASS_SQL
+        .replace(
+            "DROP INDEX outbox_txid;",
+            &format!("DROP INDEX {qualified_txid_index};"),
+        )
+        .replace(
+            "CREATE INDEX outbox_txid ON outbox (",
+            &format!("CREATE INDEX {txid_index} ON {} (", table.quoted()),
+        )
         .replace(
             "ALTER TABLE outbox_progress ADD",
             &format!("ALTER TABLE {progress} ADD"),
@@ -328,6 +342,11 @@ mod tests {
         assert!(sql.contains(r#"VIEW "s"."ev_audit" AS"#), "{sql}");
         assert!(
             sql.contains(r#"CONSTRAINT "ev_progress_late_pass" CHECK"#),
+            "{sql}"
+        );
+        assert!(sql.contains(r#"DROP INDEX "s"."ev_txid";"#), "{sql}");
+        assert!(
+            sql.contains(r#"CREATE INDEX "ev_txid" ON "s"."ev" (txid, seq)"#),
             "{sql}"
         );
     }

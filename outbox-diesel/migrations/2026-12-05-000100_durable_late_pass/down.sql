@@ -1,3 +1,5 @@
+DROP INDEX outbox_txid;
+CREATE INDEX outbox_txid ON outbox (txid);
 CREATE OR REPLACE VIEW outbox_audit AS
 SELECT o.seq, o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload, o.headers,
        o.created_at,

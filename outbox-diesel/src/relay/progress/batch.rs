@@ -382,6 +382,13 @@ enum Walk {
 /// unpublished row through `outbox_ready` and filter it by transaction id, which it prefers
 /// whenever the statistics see few distinct transaction ids (a backlog written in a few large
 /// transactions): 30 ms a batch with 100,000 rows waiting, against 1.5 ms by `outbox_txid`.
+/// Those of a transaction its cursor's snapshot had in progress are read per transaction in
+/// `seq` order from where the cursor (or its late pass) stands, `limit + 1` at most, by a
+/// range of `outbox_txid` (`txid, seq`) written as row comparisons, which no other index can
+/// serve: each part of a late pass then reads its own rows, not every row of the transaction
+/// left (with `seq` bounds alone the planner may walk the primary key and filter by
+/// transaction id). A partition's late rows are more than the batch returned when more were
+/// found than it returned: the count is of those found.
 /// A row is late for its partition when that cursor's snapshot had its transaction in
 /// progress (`xip`, below `xmax`) or not begun (at or above `xmax`): two disjoint parts. In a
 /// late pass, only those after the pass's `seq` that the pass's snapshot sees. Each partition's
@@ -410,6 +417,7 @@ fn batch_sql(table: &OutboxTable, count: u32, some: bool, shape: Walk) -> String
     let behind = behind_sql(table);
     let in_pass = "(c.after IS NULL OR o.seq > c.after) \
                    AND (c.upper IS NULL OR pg_visible_in_snapshot(o.txid, c.upper))";
+    let min = i64::MIN;
     format!(
         "WITH cur AS MATERIALIZED (SELECT pg_current_snapshot() AS s), \
          c AS MATERIALIZED (SELECT c.p, c.upto, c.snap::pg_snapshot AS snap, c.after, \
@@ -428,15 +436,17 @@ fn batch_sql(table: &OutboxTable, count: u32, some: bool, shape: Walk) -> String
          row_number() OVER w AS rn, count(*) OVER (PARTITION BY o.p) AS total, \
          COALESCE(sum(octet_length(o.payload::text)) \
          OVER (w ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before FROM ( \
-         (SELECT {COLUMNS}, c.p FROM (SELECT * FROM {t} o \
-         WHERE o.txid = ANY(ARRAY(SELECT pg_snapshot_xip(c.snap) FROM c)) OFFSET 0) o \
-         JOIN c ON c.p = {p} WHERE o.published_at IS NULL AND o.parked_at IS NULL \
-         AND o.seq <= c.upto AND o.txid < pg_snapshot_xmax(c.snap) \
-         AND NOT pg_visible_in_snapshot(o.txid, c.snap) AND {in_pass}) \
+         (SELECT {COLUMNS}, c.p FROM c CROSS JOIN LATERAL pg_snapshot_xip(c.snap) AS x(txid) \
+         CROSS JOIN LATERAL (SELECT * FROM (SELECT * FROM {t} o \
+         WHERE (o.txid, o.seq) > (x.txid, COALESCE(c.after, {min})) \
+         AND (o.txid, o.seq) <= (x.txid, c.upto) ORDER BY o.txid, o.seq OFFSET 0) o \
+         WHERE {p} = c.p AND o.published_at IS NULL AND o.parked_at IS NULL AND {in_pass} \
+         LIMIT $4 + 1) o) \
          UNION ALL \
          (SELECT {COLUMNS}, c.p FROM (SELECT * FROM {t} o \
          WHERE o.txid >= (SELECT min(pg_snapshot_xmax(c.snap)) FROM c) \
-         AND o.txid < pg_snapshot_xmax(pg_current_snapshot()) OFFSET 0) o \
+         AND o.txid < pg_snapshot_xmax(pg_current_snapshot()) \
+         AND o.seq <= (SELECT max(c.upto) FROM c) OFFSET 0) o \
          JOIN c ON c.p = {p} WHERE o.published_at IS NULL AND o.parked_at IS NULL \
          AND o.seq <= c.upto AND o.txid >= pg_snapshot_xmax(c.snap) AND {in_pass})) o \
          WINDOW w AS (PARTITION BY o.p ORDER BY o.seq)) o WHERE o.rn <= $4 AND o.before < $5) \
@@ -447,8 +457,9 @@ fn batch_sql(table: &OutboxTable, count: u32, some: bool, shape: Walk) -> String
     )
 }
 
-/// [`fetch_batch`]'s statement run with `EXPLAIN (ANALYZE, BUFFERS)` at `cursor`: the plan
-/// with the rows and buffers each node read (nothing is held back or recorded).
+/// [`fetch_batch`]'s statement run with `EXPLAIN (ANALYZE, BUFFERS)` at `cursor` (with its late
+/// pass, if any): the plan with the rows and buffers each node read (nothing is held back or
+/// recorded).
 pub async fn explain_batch_analyze(
     conn: &mut AsyncPgConnection,
     table: &OutboxTable,
@@ -456,8 +467,10 @@ pub async fn explain_batch_analyze(
     cursor: &Cursor,
     limit: i64,
 ) -> QueryResult<Vec<String>> {
+    // a partition in a late pass is not walked
+    let walking = cursor.late.is_none();
     let mut walk = vec![i64::MAX; partition.count.max(1) as usize];
-    if let Some(after) = walk.get_mut(partition.index as usize) {
+    if let (Some(after), true) = (walk.get_mut(partition.index as usize), walking) {
         *after = cursor.upto_seq;
     }
     let lines: Vec<super::super::poll::PlanLine> = diesel::sql_query(format!(
@@ -470,11 +483,15 @@ pub async fn explain_batch_analyze(
     .bind::<BigInt, _>(limit)
     .bind::<BigInt, _>(i64::MAX)
     .bind::<Array<BigInt>, _>(Vec::<i64>::new())
-    .bind::<BigInt, _>(cursor.upto_seq)
-    .bind::<Array<Nullable<BigInt>>, _>(vec![None::<i64>])
-    .bind::<Array<Nullable<Text>>, _>(vec![None::<String>])
+    .bind::<BigInt, _>(if walking { cursor.upto_seq } else { i64::MAX })
+    .bind::<Array<Nullable<BigInt>>, _>(vec![cursor.late.as_ref().map(|l| l.after_seq)])
+    .bind::<Array<Nullable<Text>>, _>(vec![cursor.late.as_ref().map(|l| l.snap.clone())])
     .bind::<Array<BigInt>, _>(walk)
-    .bind::<Array<Integer>, _>(vec![partition.index as i32])
+    .bind::<Array<Integer>, _>(if walking {
+        vec![partition.index as i32]
+    } else {
+        Vec::new()
+    })
     .load(conn)
     .await?;
     Ok(lines.into_iter().map(|l| l.line).collect())
