@@ -266,6 +266,110 @@ async fn a_late_transaction_of_many_batches_is_published_once_and_in_order_delet
     late_transaction_of_many_batches(&["--delete-published"]).await;
 }
 
+/// A relay killed (SIGKILL) in the middle of a late pass of 50,000 rows read in parts of 20
+/// (once it has sent 5,000 of them),
+/// and another started in its place: the stream holds each row once, and the second relay goes
+/// on where the pass's last recorded part stood, so what the first published is not sent again
+/// (a plain NATS subscriber sees every publish, those JetStream drops as duplicates included).
+/// Before passes were recorded, the second relay sent the pass again from its start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_killed_in_a_late_pass_is_followed_by_one_that_goes_on_where_it_stood() {
+    use futures_util::StreamExt;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    const BULK: i64 = 50_000;
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let args = ["--batch-size", "20", "--max-in-flight", "40"];
+    // every publish of a bulk row, counted as it passes
+    let nats = async_nats::connect(&stream.nats_url)
+        .await
+        .expect("connect to NATS");
+    let mut sub = nats
+        .subscribe(format!("{}.bulk.>", stream.prefix))
+        .await
+        .expect("subscribe");
+    nats.flush().await.expect("flush");
+    let sent = Arc::new(AtomicU64::new(0));
+    let counter = {
+        let sent = sent.clone();
+        tokio::spawn(async move {
+            while sub.next().await.is_some() {
+                sent.fetch_add(1, Ordering::Relaxed);
+            }
+        })
+    };
+    let mut first = relay("first relay", &db, &stream, &args);
+    let mut t1 = db.conn();
+    diesel::sql_query("BEGIN").execute(&mut t1).expect("begin");
+    diesel::sql_query(format!(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), 'bulk', 'b-' || (i % 5), 'bulk.loaded', \
+         jsonb_build_object('n', i) FROM generate_series(1, {BULK}) AS i"
+    ))
+    .execute(&mut t1)
+    .expect("the held rows");
+    db.execute(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         VALUES (gen_random_uuid(), 'order', 'o-1', 'order.placed', '{}')",
+        "a later row",
+    );
+    wait_until(
+        Duration::from_secs(20),
+        "the later row published",
+        || async { stream.count().await == 1 },
+    )
+    .await;
+    diesel::sql_query("COMMIT")
+        .execute(&mut t1)
+        .expect("commit the held rows");
+    // killed once it has sent 5,000 rows of the pass, while it goes on
+    let started = std::time::Instant::now();
+    while sent.load(Ordering::Relaxed) < 5_000 {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "5,000 rows of the pass not sent in a minute"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    first.kill();
+    let sent_by_first = sent.load(Ordering::Relaxed);
+    assert!(sent_by_first < BULK as u64 / 2, "killed during the pass");
+    let recorded = db.scalar("SELECT COALESCE(max(late_after_seq), 0) FROM outbox_progress");
+
+    let _second = relay("second relay", &db, &stream, &args);
+    wait_until(
+        Duration::from_secs(180),
+        "every row in the stream",
+        || async { stream.count().await >= BULK as u64 + 1 },
+    )
+    .await;
+    wait_until(
+        Duration::from_secs(20),
+        "the subscriber caught up",
+        || async { sent.load(Ordering::Relaxed) >= BULK as u64 },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    counter.abort();
+    let sent = sent.load(Ordering::Relaxed);
+    let again = sent - BULK as u64;
+    println!(
+        "killed with {recorded} rows of the pass recorded and {sent_by_first} sent; \
+         {sent} sends in all: {again} sent again"
+    );
+    let got = stream.read_all().await;
+    let ids: HashSet<&str> = got.iter().map(|m| m.msg_id.as_str()).collect();
+    assert_eq!(
+        (got.len(), ids.len()),
+        (BULK as usize + 1, BULK as usize + 1),
+        "each row once in the stream"
+    );
+    assert!(
+        again < 1_000,
+        "{again} rows sent again after the kill, with {recorded} of the pass recorded"
+    );
+}
+
 async fn late_transaction_of_many_batches(extra: &[&str]) {
     let (db, stream) = (TestDb::new(), TestStream::new());
     let mut args = vec!["--partitions", "2", "--batch-size", "20"];
