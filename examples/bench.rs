@@ -954,7 +954,49 @@ impl Bench {
             self.poll_time(500).await?,
             self.batch_time(&cursor, 500).await?
         );
+        let late = self.late_pass(100_000)?;
+        println!(
+            "| same + a late pass over 100000 rows of one transaction, its first part read | – | – | – | {:.3} |",
+            self.batch_time(&late, 500).await?
+        );
         Ok(())
+    }
+
+    /// A cursor in a late pass: `n` rows of one transaction that committed after an ordered
+    /// relay had read a later row (so they are late for its cursor), the pass's first part of
+    /// 500 read.
+    fn late_pass(&self, n: usize) -> Result<outbox_diesel::relay::Cursor> {
+        use diesel::RunQueryDsl;
+        #[derive(QueryableByName)]
+        struct Seq {
+            #[diesel(sql_type = diesel::sql_types::BigInt)]
+            seq: i64,
+        }
+        let mut bulk = PgConnection::establish(&self.db_url)?;
+        diesel::sql_query("SET synchronous_commit = off").execute(&mut bulk)?;
+        diesel::sql_query("BEGIN").execute(&mut bulk)?;
+        let first: Seq = diesel::sql_query(format!(
+            "WITH ins AS (INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+             SELECT gen_random_uuid(), 'bulk', 'b-' || (i % 100), 'bulk.loaded', \
+             jsonb_build_object('i', i, 'note', repeat('x', 230)) FROM generate_series(1, {n}) i \
+             RETURNING seq) SELECT min(seq) AS seq FROM ins"
+        ))
+        .get_result(&mut bulk)?;
+        let mut later = PgConnection::establish(&self.db_url)?;
+        diesel::sql_query(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+             VALUES (gen_random_uuid(), 'order', 'later', 'order.placed', '{}')",
+        )
+        .execute(&mut later)?;
+        // the relay read up to the later row while the transaction was open
+        let mut cursor = self.cursor_now()?;
+        diesel::sql_query("COMMIT").execute(&mut bulk)?;
+        diesel::sql_query("VACUUM ANALYZE outbox").execute(&mut later)?;
+        cursor.late = Some(outbox_diesel::relay::LatePass {
+            after_seq: first.seq + 499,
+            snap: self.cursor_now()?.snap,
+        });
+        Ok(cursor)
     }
 
     /// A cursor past every row in the table, as an ordered relay leaves it after reading them.
