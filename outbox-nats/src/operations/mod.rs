@@ -97,6 +97,32 @@ impl StatusOptions {
         self.partitions = Some(partitions);
         self
     }
+
+    /// The options that report on the relays `config` runs: its table and mode, and the mode's
+    /// partition count (ordered) or slot, publication and slot-lag threshold (log tailing);
+    /// the defaults for the rest.
+    ///
+    /// ```
+    /// use outbox_nats::{LogTailing, ModeKind, RelayConfig, operations::StatusOptions};
+    ///
+    /// let config = RelayConfig::new("postgres://localhost/app").mode(LogTailing::default());
+    /// let options = StatusOptions::for_relay(&config);
+    /// assert_eq!(options.mode, ModeKind::LogTailing);
+    /// assert_eq!(options.slot.as_deref(), Some("outbox_slot"));
+    /// ```
+    pub fn for_relay(config: &crate::RelayConfig) -> Self {
+        let mut options = StatusOptions::new(config.table.clone()).mode(config.mode.kind());
+        match &config.mode {
+            crate::Mode::Ordered(o) => options.partitions = Some(o.partitions),
+            crate::Mode::Unordered(_) => {}
+            crate::Mode::LogTailing(l) => {
+                options.slot = Some(l.slot_name(&config.table));
+                options.publication = Some(l.publication_name(&config.table));
+                options.slot_lag_warn_bytes = l.slot_lag_warn_bytes;
+            }
+        }
+        options
+    }
 }
 
 /// The state of an outbox table and its relays (`outbox-relay status`; its `--json` form is
@@ -487,5 +513,42 @@ impl fmt::Display for SlotStatus {
             )?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{LogTailing, Ordered, RelayConfig, Unordered};
+
+    #[test]
+    fn status_options_for_a_relay_carry_its_mode_settings() {
+        let table: OutboxTable = "billing.events".parse().expect("a name");
+        let config = |mode: crate::Mode| {
+            let mut c = RelayConfig::new("postgres://localhost/app").mode(mode);
+            c.table = table.clone();
+            c
+        };
+        let ordered = StatusOptions::for_relay(&config(Ordered::default().partitions(4).into()));
+        assert_eq!(
+            (ordered.mode, ordered.partitions, ordered.slot),
+            (ModeKind::Ordered, Some(4), None)
+        );
+        let unordered = StatusOptions::for_relay(&config(Unordered::default().into()));
+        assert_eq!(
+            (unordered.mode, unordered.partitions),
+            (ModeKind::Unordered, None)
+        );
+        let tailing = LogTailing {
+            publication: Some("pub".into()),
+            slot_lag_warn_bytes: 5,
+            ..LogTailing::default()
+        };
+        let tailing = StatusOptions::for_relay(&config(tailing.into()));
+        assert_eq!(tailing.table, table);
+        assert_eq!(tailing.mode, ModeKind::LogTailing);
+        assert_eq!(tailing.slot.as_deref(), Some("billing_events_slot"));
+        assert_eq!(tailing.publication.as_deref(), Some("pub"));
+        assert_eq!(tailing.slot_lag_warn_bytes, 5);
     }
 }
