@@ -1328,10 +1328,25 @@ async fn a_late_transaction_larger_than_a_batch_is_read_in_parts_within_its_limi
     );
 }
 
+/// The batch of the one partition of `outbox` (`--partitions 1`) at `cursor`, 8 rows at most.
+async fn batch_of_8(
+    conn: &mut diesel_async::AsyncPgConnection,
+    cursor: outbox_diesel::relay::Cursor,
+) -> outbox_diesel::relay::Batch {
+    let table = outbox_diesel::OutboxTable::DEFAULT;
+    outbox_diesel::relay::fetch_batches(conn, &table, 1, &[(0, cursor)], &[], 8, i64::MAX)
+        .await
+        .expect("fetch")
+        .into_iter()
+        .next()
+        .expect("the partition's batch")
+        .1
+}
+
 /// The batch statement of a late pass's part at `late` late rows (a transaction held open
 /// while 4 later rows were read, then committed), in a relay's session: its plan and buffers.
 async fn late_part_plan(late: i64) -> (u64, Vec<String>) {
-    use outbox_diesel::relay::{Cursor, Partition, explain_batch_analyze, fetch_batches};
+    use outbox_diesel::relay::{Cursor, Partition, explain_batch_analyze};
     let db = TestDb::new();
     let table = outbox_diesel::OutboxTable::DEFAULT;
     insert_rows_over(&db, 2, 2);
@@ -1343,16 +1358,10 @@ async fn late_part_plan(late: i64) -> (u64, Vec<String>) {
     let commit = hold_open(&db, &bulk);
     insert_rows_over(&db, 2, 2);
     let mut conn = db.relay_session().await;
-    let mut step = async |cursor: Cursor| {
-        let batches = fetch_batches(&mut conn, &table, 1, &[(0, cursor)], &[], 8, i64::MAX)
-            .await
-            .expect("fetch");
-        batches.into_iter().next().expect("the batch").1.next
-    };
-    let cursor = step(Cursor::start()).await;
+    let cursor = batch_of_8(&mut conn, Cursor::start()).await.next;
     commit();
     db.execute("VACUUM ANALYZE outbox", "vacuum");
-    let cursor = step(cursor).await;
+    let cursor = batch_of_8(&mut conn, cursor).await.next;
     assert!(cursor.late.is_some(), "in a late pass");
     let plan = explain_batch_analyze(&mut conn, &table, Partition::ALL, &cursor, 8)
         .await
@@ -1382,8 +1391,7 @@ async fn a_late_pass_reads_each_part_at_the_cost_of_the_part_not_of_the_pass() {
 #[tokio::test]
 async fn a_late_pass_recorded_goes_on_where_it_stood_under_a_new_owner() {
     use outbox_diesel::relay::{
-        Cursor, Partition, Source, backlog, fetch_batches, load_cursor, record_progress,
-        settle_progress,
+        Cursor, Partition, Source, backlog, load_cursor, record_progress, settle_progress,
     };
     let db = TestDb::new();
     insert_rows_over(&db, 10, 10);
@@ -1391,10 +1399,7 @@ async fn a_late_pass_recorded_goes_on_where_it_stood_under_a_new_owner() {
     let part = Partition { index: 0, count: 1 };
     let mut conn = db.relay_session().await;
     let step = async |conn: &mut diesel_async::AsyncPgConnection, cursor: &mut Cursor| {
-        let batches = fetch_batches(conn, &table, 1, &[(0, cursor.clone())], &[], 8, i64::MAX)
-            .await
-            .expect("fetch");
-        let (_, batch) = batches.into_iter().next().expect("the partition's batch");
+        let batch = batch_of_8(conn, cursor.clone()).await;
         *cursor = batch.next.clone();
         batch
             .rows
@@ -1502,7 +1507,7 @@ async fn a_late_pass_recorded_goes_on_where_it_stood_under_a_new_owner() {
 /// A table of 24 rows in one partition whose cursor is recorded in a late pass: 4 rows read,
 /// then 8 of the 20 rows of a transaction committed after them.
 async fn recorded_mid_pass() -> TestDb {
-    use outbox_diesel::relay::{Cursor, Partition, fetch_batches, record_progress};
+    use outbox_diesel::relay::{Cursor, Partition, record_progress};
     let db = TestDb::new();
     let table = outbox_diesel::OutboxTable::DEFAULT;
     insert_rows_over(&db, 2, 2);
@@ -1514,17 +1519,11 @@ async fn recorded_mid_pass() -> TestDb {
     );
     insert_rows_over(&db, 2, 2);
     let mut conn = db.relay_session().await;
-    let mut step = async |cursor: Cursor| {
-        let batches = fetch_batches(&mut conn, &table, 1, &[(0, cursor)], &[], 8, i64::MAX)
-            .await
-            .expect("fetch");
-        let (_, batch) = batches.into_iter().next().expect("the partition's batch");
-        (batch.rows.len(), batch.next)
-    };
-    let (first, cursor) = step(Cursor::start()).await;
+    let first = batch_of_8(&mut conn, Cursor::start()).await;
     commit();
-    let (second, cursor) = step(cursor).await;
-    assert_eq!((first, second), (4, 8));
+    let second = batch_of_8(&mut conn, first.next).await;
+    assert_eq!((first.rows.len(), second.rows.len()), (4, 8));
+    let cursor = second.next;
     assert!(cursor.late.is_some(), "in a pass");
     record_progress(
         &mut conn,
