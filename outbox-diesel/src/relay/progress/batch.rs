@@ -150,6 +150,7 @@ pub async fn fetch_batches(
         .collect();
     let walked_partitions: Vec<i32> = walking.iter().map(|(p, _)| *p as i32).collect();
     let some = cursors.len() < count as usize;
+    let passing = cursors.iter().any(|(_, c)| c.late.is_some());
     let shape = if walking.windows(2).any(|w| w[0].1 != w[1].1) {
         Walk::EachAfterItsCursor
     } else if some || walking.len() < cursors.len() {
@@ -168,7 +169,7 @@ pub async fn fetch_batches(
         }
     }
     let fetched: Vec<Fetched> = BatchStatement {
-        sql: batch_sql(table, count, some, shape),
+        sql: batch_sql(table, count, some, shape, passing),
         indexes: &indexes,
         uptos: &uptos,
         snaps: &snaps,
@@ -382,19 +383,23 @@ enum Walk {
 /// unpublished row through `outbox_ready` and filter it by transaction id, which it prefers
 /// whenever the statistics see few distinct transaction ids (a backlog written in a few large
 /// transactions): 30 ms a batch with 100,000 rows waiting, against 1.5 ms by `outbox_txid`.
-/// Those of a transaction its cursor's snapshot had in progress are read per transaction in
-/// `seq` order from where the cursor (or its late pass) stands, `limit + 1` at most, by a
-/// range of `outbox_txid` (`txid, seq`) written as row comparisons, which no other index can
-/// serve: each part of a late pass then reads its own rows, not every row of the transaction
-/// left (with `seq` bounds alone the planner may walk the primary key and filter by
-/// transaction id). A partition's late rows are more than the batch returned when more were
-/// found than it returned: the count is of those found.
+/// While a cursor is in a late pass (`passing`), the late rows of a transaction its cursor's
+/// snapshot had in progress are read per transaction in `seq` order from where the pass
+/// stands, `limit + 1` at most, by a range of `outbox_txid` (`txid, seq`) written as row
+/// comparisons, which no other index can serve: each part of the pass then reads its own
+/// rows, not every row of the transaction left (with `seq` bounds alone the planner may walk
+/// the primary key and filter by transaction id). A partition's late rows are more than the
+/// batch returned when more were found than it returned: the count is of those found. Without
+/// a pass, the statement keeps one look-up of every in-progress transaction's rows: the
+/// per-transaction one costs a generic plan ten times a custom one's estimate (the cursors and
+/// the in-progress list are of unknown length to it), so PostgreSQL planned the statement at
+/// every call (0.6 ms a batch); a late transaction is read whole once, when its pass begins.
 /// A row is late for its partition when that cursor's snapshot had its transaction in
 /// progress (`xip`, below `xmax`) or not begun (at or above `xmax`): two disjoint parts. In a
 /// late pass, only those after the pass's `seq` that the pass's snapshot sees. Each partition's
 /// late rows come in `seq` order within the row limit and the byte budget, each with how many
 /// there are, so that the caller knows when they did not all fit.
-fn batch_sql(table: &OutboxTable, count: u32, some: bool, shape: Walk) -> String {
+fn batch_sql(table: &OutboxTable, count: u32, some: bool, shape: Walk, passing: bool) -> String {
     const COLUMNS: &str = "o.seq, o.id, o.aggregate_type, o.aggregate_id, o.event_type, \
                            o.payload, o.headers, o.created_at, o.attempts";
     let t = table.quoted();
@@ -418,6 +423,25 @@ fn batch_sql(table: &OutboxTable, count: u32, some: bool, shape: Walk) -> String
     let in_pass = "(c.after IS NULL OR o.seq > c.after) \
                    AND (c.upper IS NULL OR pg_visible_in_snapshot(o.txid, c.upper))";
     let min = i64::MIN;
+    // the late rows of the transactions a cursor's snapshot had in progress
+    let in_progress = if passing {
+        format!(
+            "(SELECT {COLUMNS}, c.p FROM c CROSS JOIN LATERAL pg_snapshot_xip(c.snap) AS x(txid) \
+             CROSS JOIN LATERAL (SELECT * FROM (SELECT * FROM {t} o \
+             WHERE (o.txid, o.seq) > (x.txid, COALESCE(c.after, {min})) \
+             AND (o.txid, o.seq) <= (x.txid, c.upto) ORDER BY o.txid, o.seq OFFSET 0) o \
+             WHERE {p} = c.p AND o.published_at IS NULL AND o.parked_at IS NULL AND {in_pass} \
+             LIMIT $4 + 1) o)"
+        )
+    } else {
+        format!(
+            "(SELECT {COLUMNS}, c.p FROM (SELECT * FROM {t} o \
+             WHERE o.txid = ANY(ARRAY(SELECT pg_snapshot_xip(c.snap) FROM c)) OFFSET 0) o \
+             JOIN c ON c.p = {p} WHERE o.published_at IS NULL AND o.parked_at IS NULL \
+             AND o.seq <= c.upto AND o.txid < pg_snapshot_xmax(c.snap) \
+             AND NOT pg_visible_in_snapshot(o.txid, c.snap) AND {in_pass})"
+        )
+    };
     format!(
         "WITH cur AS MATERIALIZED (SELECT pg_current_snapshot() AS s), \
          c AS MATERIALIZED (SELECT c.p, c.upto, c.snap::pg_snapshot AS snap, c.after, \
@@ -436,12 +460,7 @@ fn batch_sql(table: &OutboxTable, count: u32, some: bool, shape: Walk) -> String
          row_number() OVER w AS rn, count(*) OVER (PARTITION BY o.p) AS total, \
          COALESCE(sum(octet_length(o.payload::text)) \
          OVER (w ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before FROM ( \
-         (SELECT {COLUMNS}, c.p FROM c CROSS JOIN LATERAL pg_snapshot_xip(c.snap) AS x(txid) \
-         CROSS JOIN LATERAL (SELECT * FROM (SELECT * FROM {t} o \
-         WHERE (o.txid, o.seq) > (x.txid, COALESCE(c.after, {min})) \
-         AND (o.txid, o.seq) <= (x.txid, c.upto) ORDER BY o.txid, o.seq OFFSET 0) o \
-         WHERE {p} = c.p AND o.published_at IS NULL AND o.parked_at IS NULL AND {in_pass} \
-         LIMIT $4 + 1) o) \
+         {in_progress} \
          UNION ALL \
          (SELECT {COLUMNS}, c.p FROM (SELECT * FROM {t} o \
          WHERE o.txid >= (SELECT min(pg_snapshot_xmax(c.snap)) FROM c) \
@@ -475,7 +494,7 @@ pub async fn explain_batch_analyze(
     }
     let lines: Vec<super::super::poll::PlanLine> = diesel::sql_query(format!(
         "EXPLAIN (ANALYZE, BUFFERS) {}",
-        batch_sql(table, partition.count, true, Walk::Some)
+        batch_sql(table, partition.count, true, Walk::Some, !walking)
     ))
     .bind::<Array<Integer>, _>(vec![partition.index as i32])
     .bind::<Array<BigInt>, _>(vec![cursor.upto_seq])
