@@ -395,7 +395,10 @@ enum Walk {
 /// the in-progress list are of unknown length to it), so PostgreSQL planned the statement at
 /// every call (0.6 ms a batch); a late transaction is read whole once, when its pass begins.
 /// A row is late for its partition when that cursor's snapshot had its transaction in
-/// progress (`xip`, below `xmax`) or not begun (at or above `xmax`): two disjoint parts. In a
+/// progress (`xip`, below `xmax`) or not begun (at or above `xmax`): two disjoint parts. Of
+/// the transactions in progress, only those the statement's snapshot sees ended are looked up:
+/// a bulk load still running behind the cursor would otherwise cost every batch a visit of
+/// every row it has written so far, none of them visible. In a
 /// late pass, only those after the pass's `seq` that the pass's snapshot sees. Each partition's
 /// late rows come in `seq` order within the row limit and the byte budget, each with how many
 /// there are, so that the caller knows when they did not all fit.
@@ -423,10 +426,13 @@ fn batch_sql(table: &OutboxTable, count: u32, some: bool, shape: Walk, passing: 
     let in_pass = "(c.after IS NULL OR o.seq > c.after) \
                    AND (c.upper IS NULL OR pg_visible_in_snapshot(o.txid, c.upper))";
     let min = i64::MIN;
-    // the late rows of the transactions a cursor's snapshot had in progress
+    // the late rows of the transactions a cursor's snapshot had in progress and that have
+    // ended since: one still running has no row to see, however many it wrote
+    let ended = "pg_visible_in_snapshot(x, (SELECT s FROM cur))";
     let in_progress = if passing {
         format!(
-            "(SELECT {COLUMNS}, c.p FROM c CROSS JOIN LATERAL pg_snapshot_xip(c.snap) AS x(txid) \
+            "(SELECT {COLUMNS}, c.p FROM c CROSS JOIN LATERAL (SELECT x FROM pg_snapshot_xip(c.snap) \
+             AS x WHERE {ended}) AS x(txid) \
              CROSS JOIN LATERAL (SELECT * FROM (SELECT * FROM {t} o \
              WHERE (o.txid, o.seq) > (x.txid, COALESCE(c.after, {min})) \
              AND (o.txid, o.seq) <= (x.txid, c.upto) ORDER BY o.txid, o.seq OFFSET 0) o \
@@ -436,7 +442,8 @@ fn batch_sql(table: &OutboxTable, count: u32, some: bool, shape: Walk, passing: 
     } else {
         format!(
             "(SELECT {COLUMNS}, c.p FROM (SELECT * FROM {t} o \
-             WHERE o.txid = ANY(ARRAY(SELECT pg_snapshot_xip(c.snap) FROM c)) OFFSET 0) o \
+             WHERE o.txid = ANY(ARRAY(SELECT x FROM c, pg_snapshot_xip(c.snap) AS x \
+             WHERE {ended})) OFFSET 0) o \
              JOIN c ON c.p = {p} WHERE o.published_at IS NULL AND o.parked_at IS NULL \
              AND o.seq <= c.upto AND o.txid < pg_snapshot_xmax(c.snap) \
              AND NOT pg_visible_in_snapshot(o.txid, c.snap) AND {in_pass})"
@@ -464,8 +471,7 @@ fn batch_sql(table: &OutboxTable, count: u32, some: bool, shape: Walk, passing: 
          UNION ALL \
          (SELECT {COLUMNS}, c.p FROM (SELECT * FROM {t} o \
          WHERE o.txid >= (SELECT min(pg_snapshot_xmax(c.snap)) FROM c) \
-         AND o.txid < pg_snapshot_xmax(pg_current_snapshot()) \
-         AND o.seq <= (SELECT max(c.upto) FROM c) OFFSET 0) o \
+         AND o.txid < pg_snapshot_xmax(pg_current_snapshot()) OFFSET 0) o \
          JOIN c ON c.p = {p} WHERE o.published_at IS NULL AND o.parked_at IS NULL \
          AND o.seq <= c.upto AND o.txid >= pg_snapshot_xmax(c.snap) AND {in_pass})) o \
          WINDOW w AS (PARTITION BY o.p ORDER BY o.seq)) o WHERE o.rn <= $4 AND o.before < $5) \
