@@ -627,6 +627,28 @@ async fn delete_published_relay_killed_mid_stream_loses_nothing_and_keeps_order(
     }
 }
 
+/// An ordered relay started on `db`'s table fails at start, saying `why`.
+async fn assert_refused(db: &TestDb, stream: &TestStream, why: &str) {
+    let nats = async_nats::connect(&stream.nats_url)
+        .await
+        .expect("connect to NATS");
+    let refused = Relay::new(config(db, stream), nats)
+        .run(tokio_util::sync::CancellationToken::new())
+        .await
+        .expect_err("the relay refuses the table");
+    assert!(refused.to_string().contains(why), "{refused}");
+}
+
+/// The aggregate of each message of the stream, in stream order.
+async fn aggregates_in(stream: &TestStream) -> Vec<String> {
+    stream
+        .read_all()
+        .await
+        .into_iter()
+        .map(|m| m.aggregate_id)
+        .collect()
+}
+
 /// A table made by the migrations before snapshot batches, with rows an earlier relay published
 /// and rows it did not: the ordered relay refuses it until it is upgraded, then publishes the
 /// unpublished rows alone, in order, and the audit view dates every row.
@@ -652,17 +674,7 @@ async fn a_table_made_before_snapshot_batches_is_upgraded_and_publishes_only_its
     .execute(&mut conn)
     .expect("the earlier rows");
 
-    let nats = async_nats::connect(&stream.nats_url)
-        .await
-        .expect("connect to NATS");
-    let refused = Relay::new(config(&db, &stream), nats)
-        .run(tokio_util::sync::CancellationToken::new())
-        .await
-        .expect_err("the relay refuses a table without snapshot batches");
-    assert!(
-        refused.to_string().contains("predates snapshot batches"),
-        "{refused}"
-    );
+    assert_refused(&db, &stream, "predates snapshot batches").await;
 
     conn.run_pending_migrations(outbox_diesel::MIGRATIONS)
         .expect("upgrade");
@@ -677,13 +689,7 @@ async fn a_table_made_before_snapshot_batches_is_upgraded_and_publishes_only_its
     .expect("a row recorded after the upgrade");
     wait_published(&db, 6, Duration::from_secs(120)).await;
     relay.stop().await;
-    let got: Vec<String> = stream
-        .read_all()
-        .await
-        .into_iter()
-        .map(|m| m.aggregate_id)
-        .collect();
-    assert_eq!(got, ["u-4", "u-5", "u-6"]);
+    assert_eq!(aggregates_in(&stream).await, ["u-4", "u-5", "u-6"]);
     assert_eq!(
         db.scalar(
             "SELECT count(*) FROM outbox_audit WHERE published_at < now() - interval '30 seconds'"
@@ -733,27 +739,14 @@ async fn a_progress_table_made_before_late_passes_is_read_then_upgraded_by_creat
         "the three published rows are covered"
     );
 
-    let nats = async_nats::connect(&stream.nats_url)
-        .await
-        .expect("connect to NATS");
-    let refused = Relay::new(config(&db, &stream), nats)
-        .run(tokio_util::sync::CancellationToken::new())
-        .await
-        .expect_err("the ordered relay refuses a progress table without late passes");
-    assert!(refused.to_string().contains("late passes"), "{refused}");
+    assert_refused(&db, &stream, "late passes").await;
 
     outbox_diesel::create_table(&mut conn, &OutboxTable::DEFAULT).expect("upgrade");
     assert_eq!(db.scalar(has_late_pass), 1);
     let relay = InProcessRelay::start(config(&db, &stream), &stream).await;
     wait_published(&db, 4, Duration::from_secs(60)).await;
     relay.stop().await;
-    let got: Vec<String> = stream
-        .read_all()
-        .await
-        .into_iter()
-        .map(|m| m.aggregate_id)
-        .collect();
-    assert_eq!(got, ["u-1", "u-2", "u-3", "u-4"]);
+    assert_eq!(aggregates_in(&stream).await, ["u-1", "u-2", "u-3", "u-4"]);
 }
 
 /// A writer that notifies once a minute (so only its first commit wakes the relay), the
