@@ -167,10 +167,7 @@ fn late_pass_sql(table: &OutboxTable) -> String {
     let check = crate::table::quote_ident(&format!("{}_progress_late_pass", table.name()));
     let txid_index = crate::table::quote_ident(&format!("{}_txid", table.name()));
     // dropped by its qualified name: the index lives in the table's schema
-    let qualified_txid_index = match table.schema() {
-        Some(s) => format!("{}.{txid_index}", crate::table::quote_ident(s)),
-        None => txid_index.clone(),
-    };
+    let qualified_txid_index = in_schema_of(table, &txid_index);
     LATE_PASS_SQL
         .replace(
             "DROP INDEX outbox_txid;",
@@ -196,6 +193,29 @@ fn late_pass_sql(table: &OutboxTable) -> String {
         .replace("  FROM outbox o;", &format!("  FROM {} o;", table.quoted()))
         .trim_end()
         .to_owned()
+}
+
+/// `name` (quoted) in the schema of `table`: how an index of the table is named outside
+/// `CREATE INDEX`.
+fn in_schema_of(table: &OutboxTable, name: &str) -> String {
+    match table.schema() {
+        Some(s) => format!("{}.{name}", crate::table::quote_ident(s)),
+        None => name.to_owned(),
+    }
+}
+
+/// Whether the relation `relation` (as SQL quotes it) exists and has the column `column`.
+fn has_column(conn: &mut PgConnection, relation: &str, column: &str) -> diesel::QueryResult<bool> {
+    diesel::select(
+        diesel::dsl::sql::<diesel::sql_types::Bool>(
+            "EXISTS (SELECT 1 FROM pg_attribute WHERE NOT attisdropped AND attname = ",
+        )
+        .bind::<diesel::sql_types::Text, _>(column)
+        .sql(" AND attrelid = to_regclass(")
+        .bind::<diesel::sql_types::Text, _>(relation)
+        .sql("))"),
+    )
+    .get_result(conn)
 }
 
 fn quote_object_names(line: &str, prefix: &str) -> String {
@@ -248,10 +268,7 @@ fn create_table_locked(conn: &mut PgConnection, table: &OutboxTable) -> diesel::
     if exists {
         // a table made before the poll's index existed gets it
         let index = crate::table::quote_ident(&format!("{}_ready", table.name()));
-        let qualified = match table.schema() {
-            Some(s) => format!("{}.{index}", crate::table::quote_ident(s)),
-            None => index.clone(),
-        };
+        let qualified = in_schema_of(table, &index);
         let has_index: bool = diesel::select(
             diesel::dsl::sql::<diesel::sql_types::Bool>("to_regclass(")
                 .bind::<diesel::sql_types::Text, _>(qualified)
@@ -271,26 +288,10 @@ fn create_table_locked(conn: &mut PgConnection, table: &OutboxTable) -> diesel::
             diesel::connection::SimpleConnection::batch_execute(conn, &ready)?;
         }
         // a table made before snapshot batches gets them
-        let has_txid: bool = diesel::select(
-            diesel::dsl::sql::<diesel::sql_types::Bool>(
-                "EXISTS (SELECT 1 FROM pg_attribute WHERE attname = 'txid' AND NOT attisdropped \
-                 AND attrelid = to_regclass(",
-            )
-            .bind::<diesel::sql_types::Text, _>(table.quoted())
-            .sql("))"),
-        )
-        .get_result(conn)?;
+        let has_txid = has_column(conn, &table.quoted(), "txid")?;
         // and one made before late passes were recorded gets their columns
-        let has_late_pass: bool = has_txid
-            && diesel::select(
-                diesel::dsl::sql::<diesel::sql_types::Bool>(
-                    "EXISTS (SELECT 1 FROM pg_attribute WHERE attname = 'late_after_seq' \
-                     AND NOT attisdropped AND attrelid = to_regclass(",
-                )
-                .bind::<diesel::sql_types::Text, _>(table.progress_table())
-                .sql("))"),
-            )
-            .get_result(conn)?;
+        let has_late_pass =
+            has_txid && has_column(conn, &table.progress_table(), "late_after_seq")?;
         let upgrade = match (has_txid, has_late_pass) {
             (true, true) => return Ok(()),
             (true, false) => late_pass_sql(table),

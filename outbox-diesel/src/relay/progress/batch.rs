@@ -133,14 +133,8 @@ pub async fn fetch_batches(
     let indexes: Vec<i32> = cursors.iter().map(|(p, _)| *p as i32).collect();
     let uptos: Vec<i64> = cursors.iter().map(|(_, c)| c.upto_seq).collect();
     let snaps: Vec<&str> = cursors.iter().map(|(_, c)| c.snap.as_str()).collect();
-    let afters: Vec<Option<i64>> = cursors
-        .iter()
-        .map(|(_, c)| c.late.as_ref().map(|l| l.after_seq))
-        .collect();
-    let uppers: Vec<Option<&str>> = cursors
-        .iter()
-        .map(|(_, c)| c.late.as_ref().map(|l| l.snap.as_str()))
-        .collect();
+    let afters: Vec<Option<i64>> = cursors.iter().map(|(_, c)| c.late_after_seq()).collect();
+    let uppers: Vec<Option<&str>> = cursors.iter().map(|(_, c)| c.late_snap()).collect();
     // where the walk takes each partition's rows from, by partition: after its cursor; a
     // partition not read here, or in a late pass, not at all
     let walking: Vec<(u32, i64)> = cursors
@@ -509,8 +503,8 @@ pub async fn explain_batch_analyze(
     .bind::<BigInt, _>(i64::MAX)
     .bind::<Array<BigInt>, _>(Vec::<i64>::new())
     .bind::<BigInt, _>(if walking { cursor.upto_seq } else { i64::MAX })
-    .bind::<Array<Nullable<BigInt>>, _>(vec![cursor.late.as_ref().map(|l| l.after_seq)])
-    .bind::<Array<Nullable<Text>>, _>(vec![cursor.late.as_ref().map(|l| l.snap.clone())])
+    .bind::<Array<Nullable<BigInt>>, _>(vec![cursor.late_after_seq()])
+    .bind::<Array<Nullable<Text>>, _>(vec![cursor.late_snap()])
     .bind::<Array<BigInt>, _>(walk)
     .bind::<Array<Integer>, _>(if walking {
         vec![partition.index as i32]

@@ -117,6 +117,16 @@ impl Cursor {
         Cursor::at(0, "1:1:")
     }
 
+    /// Its late pass's `seq`, if it is in one.
+    pub(crate) fn late_after_seq(&self) -> Option<i64> {
+        self.late.as_ref().map(|l| l.after_seq)
+    }
+
+    /// Its late pass's snapshot, if it is in one.
+    pub(crate) fn late_snap(&self) -> Option<&str> {
+        self.late.as_ref().map(|l| l.snap.as_str())
+    }
+
     /// The rows with `seq <= upto_seq` that `snap` sees.
     pub fn at(upto_seq: i64, snap: impl Into<String>) -> Cursor {
         Cursor {
@@ -329,14 +339,8 @@ pub async fn record_progress(
     let indexes: Vec<i32> = cursors.iter().map(|(p, _)| p.index as i32).collect();
     let seqs: Vec<i64> = cursors.iter().map(|(_, c)| c.upto_seq).collect();
     let snaps: Vec<&str> = cursors.iter().map(|(_, c)| c.snap.as_str()).collect();
-    let late_seqs: Vec<Option<i64>> = cursors
-        .iter()
-        .map(|(_, c)| c.late.as_ref().map(|l| l.after_seq))
-        .collect();
-    let late_snaps: Vec<Option<&str>> = cursors
-        .iter()
-        .map(|(_, c)| c.late.as_ref().map(|l| l.snap.as_str()))
-        .collect();
+    let late_seqs: Vec<Option<i64>> = cursors.iter().map(|(_, c)| c.late_after_seq()).collect();
+    let late_snaps: Vec<Option<&str>> = cursors.iter().map(|(_, c)| c.late_snap()).collect();
     diesel::sql_query(format!(
         "INSERT INTO {} (partitions, partition, upto_seq, snap, late_after_seq, late_snap) \
          SELECT n, i, s, x::pg_snapshot, ls, lx::pg_snapshot \
