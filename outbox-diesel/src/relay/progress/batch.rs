@@ -144,7 +144,6 @@ pub async fn fetch_batches(
         .collect();
     let walked_partitions: Vec<i32> = walking.iter().map(|(p, _)| *p as i32).collect();
     let some = cursors.len() < count as usize;
-    let passing = cursors.iter().any(|(_, c)| c.late.is_some());
     let shape = if walking.windows(2).any(|w| w[0].1 != w[1].1) {
         Walk::EachAfterItsCursor
     } else if some || walking.len() < cursors.len() {
@@ -163,7 +162,7 @@ pub async fn fetch_batches(
         }
     }
     let fetched: Vec<Fetched> = BatchStatement {
-        sql: batch_sql(table, count, some, shape, passing),
+        sql: batch_sql(table, count, some, shape),
         indexes: &indexes,
         uptos: &uptos,
         snaps: &snaps,
@@ -358,12 +357,18 @@ enum Walk {
 }
 
 /// The statement of [`fetch_batches`] for partitions of `count` of `table`, `some` when the
-/// relay reads only some of them, the walk's `shape`; its binds: the partitions, their cursors' `seq`s and
-/// snapshots, the row limit, the byte budget, the released rows to leave out, the lowest
-/// walked cursor's `seq` (a bind, not a subquery, so that the planner sees where the walk
-/// starts), the late passes' `seq`s and snapshots (NULL for a cursor without one), by
-/// partition the `seq` its walked rows come after (`i64::MAX`: not walked), and the
-/// partitions walked.
+/// relay reads only some of them, the walk's `shape`; its binds: the partitions, their cursors'
+/// `seq`s and snapshots, the row limit, the byte budget, the released rows to leave out, the
+/// lowest walked cursor's `seq`, the late passes' `seq`s and snapshots (NULL for a cursor
+/// without one), by partition the `seq` its walked rows come after (`i64::MAX`: not walked),
+/// and the partitions walked.
+///
+/// The planner sees no bind's value: each is read through a subquery (`(SELECT $n)`), so that
+/// the plan of a call is the same with or without the values, and PostgreSQL keeps the
+/// session's generic plan. With the values in sight, a relay caught up (a cursor at the end
+/// of the table, a few rows a batch) got custom plans cheaper than the generic one by the
+/// estimates, and PostgreSQL planned the statement again at every call: 0.8 ms a batch against
+/// 0.08 for running the generic plan.
 ///
 /// The next rows are one walk through the rows after the lowest cursor, each taken when it is
 /// above its own partition's cursor: the row limit and the byte budget count only those. A
@@ -372,31 +377,32 @@ enum Walk {
 /// While the cursors agree (the steady state) the walk tests the partition alone, which costs
 /// PostgreSQL less per event (BENCHMARKS.md, section 12).
 ///
-/// The late rows are looked up by transaction id alone, behind an `OFFSET 0` fence, and only
-/// then tested for being unpublished: given the test inside, the planner may read every
-/// unpublished row through `outbox_ready` and filter it by transaction id, which it prefers
-/// whenever the statistics see few distinct transaction ids (a backlog written in a few large
-/// transactions): 30 ms a batch with 100,000 rows waiting, against 1.5 ms by `outbox_txid`.
-/// While a cursor is in a late pass (`passing`), the late rows of a transaction its cursor's
-/// snapshot had in progress are read per transaction in `seq` order from where the pass
-/// stands, `limit + 1` at most, by a range of `outbox_txid` (`txid, seq`) written as row
-/// comparisons, which no other index can serve: each part of the pass then reads its own
-/// rows, not every row of the transaction left (with `seq` bounds alone the planner may walk
-/// the primary key and filter by transaction id). A partition's late rows are more than the
-/// batch returned when more were found than it returned: the count is of those found. Without
-/// a pass, the statement keeps one look-up of every in-progress transaction's rows: the
-/// per-transaction one costs a generic plan ten times a custom one's estimate (the cursors and
-/// the in-progress list are of unknown length to it), so PostgreSQL planned the statement at
-/// every call (0.6 ms a batch); a late transaction is read whole once, when its pass begins.
 /// A row is late for its partition when that cursor's snapshot had its transaction in
-/// progress (`xip`, below `xmax`) or not begun (at or above `xmax`): two disjoint parts. Of
-/// the transactions in progress, only those the statement's snapshot sees ended are looked up:
-/// a bulk load still running behind the cursor would otherwise cost every batch a visit of
-/// every row it has written so far, none of them visible. In a
-/// late pass, only those after the pass's `seq` that the pass's snapshot sees. Each partition's
-/// late rows come in `seq` order within the row limit and the byte budget, each with how many
-/// there are, so that the caller knows when they did not all fit.
-fn batch_sql(table: &OutboxTable, count: u32, some: bool, shape: Walk, passing: bool) -> String {
+/// progress (`xip`, below `xmax`) or not begun (at or above `xmax`): two disjoint parts.
+///
+/// - Of the transactions in progress, only those the statement's snapshot sees ended are
+///   looked up: a bulk load still running behind the cursor would otherwise cost every batch a
+///   visit of every row it has written so far, none of them visible. Their rows are read per
+///   transaction in `seq` order (from where a late pass stands), `limit + 1` at most, by a
+///   range of `outbox_txid` (`txid, seq`) written as row comparisons, which no other index can
+///   serve (with `seq` bounds alone the planner may walk the primary key and filter by
+///   transaction id), behind an `OFFSET 0` fence and only then tested for being unpublished
+///   (given the test inside, the planner may read every unpublished row through
+///   `outbox_ready` and filter it by transaction id). So the batch that finds a late
+///   transaction, and each part of its late pass, reads its own rows and not every row of the
+///   transaction left: a bulk load of millions committed late made one batch of seconds, and
+///   a pass was quadratic in its rows.
+/// - The transactions begun after the snapshot are looked up by a range of transaction ids,
+///   up to the statement's snapshot, or in a late pass up to the pass's (its rows must be
+///   visible to it): the parts of a long pass do not read again every row written since the
+///   pass began.
+///
+/// Each partition's late rows come in `seq` order within the row limit and the byte budget,
+/// each with how many were found (those of a transaction counted up to `limit + 1`), so that
+/// the caller knows when they did not all fit: the first `limit` of them by `seq` are among
+/// those found, since a row is at most as far into its own transaction's rows as into all of
+/// them. In a late pass, only those after the pass's `seq` that the pass's snapshot sees.
+fn batch_sql(table: &OutboxTable, count: u32, some: bool, shape: Walk) -> String {
     const COLUMNS: &str = "o.seq, o.id, o.aggregate_type, o.aggregate_id, o.event_type, \
                            o.payload, o.headers, o.created_at, o.attempts";
     let t = table.quoted();
@@ -407,71 +413,56 @@ fn batch_sql(table: &OutboxTable, count: u32, some: bool, shape: Walk, passing: 
         "0".to_owned()
     };
     let owned = if some {
-        format!(" AND {p} = ANY($1)")
+        format!(" AND {p} = ANY((SELECT $1::int4[])::int4[])")
     } else {
         String::new()
     };
     let walked = match shape {
         Walk::All => String::new(),
-        Walk::Some => format!(" AND {p} = ANY($11)"),
-        Walk::EachAfterItsCursor => format!(" AND o.seq > ($10::int8[])[{p} + 1]"),
+        Walk::Some => format!(" AND {p} = ANY((SELECT $11::int4[])::int4[])"),
+        Walk::EachAfterItsCursor => format!(" AND o.seq > ((SELECT $10::int8[]))[{p} + 1]"),
     };
     let behind = behind_sql(table);
     let in_pass = "(c.after IS NULL OR o.seq > c.after) \
                    AND (c.upper IS NULL OR pg_visible_in_snapshot(o.txid, c.upper))";
     let min = i64::MIN;
-    // the late rows of the transactions a cursor's snapshot had in progress and that have
-    // ended since: one still running has no row to see, however many it wrote
-    let ended = "pg_visible_in_snapshot(x, (SELECT s FROM cur))";
-    let in_progress = if passing {
-        format!(
-            "(SELECT {COLUMNS}, c.p FROM c CROSS JOIN LATERAL (SELECT x FROM pg_snapshot_xip(c.snap) \
-             AS x WHERE {ended}) AS x(txid) \
-             CROSS JOIN LATERAL (SELECT * FROM (SELECT * FROM {t} o \
-             WHERE (o.txid, o.seq) > (x.txid, COALESCE(c.after, {min})) \
-             AND (o.txid, o.seq) <= (x.txid, c.upto) ORDER BY o.txid, o.seq OFFSET 0) o \
-             WHERE {p} = c.p AND o.published_at IS NULL AND o.parked_at IS NULL AND {in_pass} \
-             LIMIT $4 + 1) o)"
-        )
-    } else {
-        format!(
-            "(SELECT {COLUMNS}, c.p FROM (SELECT * FROM {t} o \
-             WHERE o.txid = ANY(ARRAY(SELECT x FROM c, pg_snapshot_xip(c.snap) AS x \
-             WHERE {ended})) OFFSET 0) o \
-             JOIN c ON c.p = {p} WHERE o.published_at IS NULL AND o.parked_at IS NULL \
-             AND o.seq <= c.upto AND o.txid < pg_snapshot_xmax(c.snap) \
-             AND NOT pg_visible_in_snapshot(o.txid, c.snap) AND {in_pass})"
-        )
-    };
+    let limit = "(SELECT $4::int8)";
     format!(
         "WITH cur AS MATERIALIZED (SELECT pg_current_snapshot() AS s), \
          c AS MATERIALIZED (SELECT c.p, c.upto, c.snap::pg_snapshot AS snap, c.after, \
          c.upper::pg_snapshot AS upper \
-         FROM unnest($1::int4[], $2::int8[], $3::text[], $8::int8[], $9::text[]) \
-         AS c(p, upto, snap, after, upper)) \
+         FROM unnest((SELECT $1::int4[]), (SELECT $2::int8[]), (SELECT $3::text[]), \
+         (SELECT $8::int8[]), (SELECT $9::text[])) AS c(p, upto, snap, after, upper)) \
          SELECT {COLUMNS}, o.part, o.p, {behind} AS behind, o.late_total, (SELECT s::text FROM cur) AS snap FROM ( \
          (SELECT {COLUMNS}, 0 AS part, o.p, 0::int8 AS late_total FROM (SELECT {COLUMNS}, o.p, \
          COALESCE(sum(octet_length(o.payload::text)) \
          OVER (ORDER BY o.seq ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before \
          FROM (SELECT {COLUMNS}, {p} AS p FROM {t} o WHERE o.published_at IS NULL \
-         AND o.parked_at IS NULL AND o.seq > $7{walked} \
-         ORDER BY o.seq LIMIT $4) o) o WHERE o.before < $5) \
+         AND o.parked_at IS NULL AND o.seq > (SELECT $7::int8){walked} \
+         ORDER BY o.seq LIMIT {limit}) o) o WHERE o.before < $5) \
          UNION ALL \
          (SELECT {COLUMNS}, 1, o.p, o.total FROM (SELECT {COLUMNS}, o.p, \
          row_number() OVER w AS rn, count(*) OVER (PARTITION BY o.p) AS total, \
          COALESCE(sum(octet_length(o.payload::text)) \
          OVER (w ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before FROM ( \
-         {in_progress} \
+         (SELECT {COLUMNS}, c.p FROM c CROSS JOIN LATERAL (SELECT x FROM pg_snapshot_xip(c.snap) \
+         AS x WHERE pg_visible_in_snapshot(x, (SELECT s FROM cur))) AS x(txid) \
+         CROSS JOIN LATERAL (SELECT * FROM (SELECT * FROM {t} o \
+         WHERE (o.txid, o.seq) > (x.txid, COALESCE(c.after, {min})) \
+         AND (o.txid, o.seq) <= (x.txid, c.upto) ORDER BY o.txid, o.seq OFFSET 0) o \
+         WHERE {p} = c.p AND o.published_at IS NULL AND o.parked_at IS NULL AND {in_pass} \
+         LIMIT {limit} + 1) o) \
          UNION ALL \
          (SELECT {COLUMNS}, c.p FROM (SELECT * FROM {t} o \
          WHERE o.txid >= (SELECT min(pg_snapshot_xmax(c.snap)) FROM c) \
-         AND o.txid < pg_snapshot_xmax(pg_current_snapshot()) OFFSET 0) o \
+         AND o.txid < (SELECT max(pg_snapshot_xmax(COALESCE(c.upper, (SELECT s FROM cur)))) FROM c) \
+         OFFSET 0) o \
          JOIN c ON c.p = {p} WHERE o.published_at IS NULL AND o.parked_at IS NULL \
          AND o.seq <= c.upto AND o.txid >= pg_snapshot_xmax(c.snap) AND {in_pass})) o \
          WINDOW w AS (PARTITION BY o.p ORDER BY o.seq)) o WHERE o.rn <= $4 AND o.before < $5) \
          UNION ALL \
          (SELECT {COLUMNS}, 2, {p}, 0::int8 FROM {t} o WHERE o.parked_at = 'infinity' \
-         AND o.published_at IS NULL{owned} AND o.seq <> ALL($6) ORDER BY o.seq LIMIT $4)) o \
+         AND o.published_at IS NULL{owned} AND o.seq <> ALL($6) ORDER BY o.seq LIMIT {limit})) o \
          LEFT JOIN c ON c.p = o.p"
     )
 }
@@ -494,7 +485,7 @@ pub async fn explain_batch_analyze(
     }
     let lines: Vec<super::super::poll::PlanLine> = diesel::sql_query(format!(
         "EXPLAIN (ANALYZE, BUFFERS) {}",
-        batch_sql(table, partition.count, true, Walk::Some, !walking)
+        batch_sql(table, partition.count, true, Walk::Some)
     ))
     .bind::<Array<Integer>, _>(vec![partition.index as i32])
     .bind::<Array<BigInt>, _>(vec![cursor.upto_seq])
