@@ -70,6 +70,11 @@ struct Args {
     /// memory section.
     #[arg(long, default_value_t = 500)]
     large_rows: usize,
+    /// Rows in section 2's table before each run of a polling relay, read by its cursor
+    /// (a progress row past them) and analyzed: the table a relay caught up finds in
+    /// production. 0: an empty table, as section 2 ran before BENCHMARKS.md section 14.
+    #[arg(long, default_value_t = 100_000)]
+    latency_kept: usize,
     /// Seconds per write-path measurement.
     #[arg(long, default_value_t = 5)]
     seconds: u64,
@@ -665,6 +670,17 @@ impl Bench {
         } else {
             config
         };
+        if self.args.latency_kept > 0 && wake != Wake::Tailing {
+            use diesel::RunQueryDsl;
+            self.fill(self.args.latency_kept, false)?;
+            let mut conn = PgConnection::establish(&self.db_url)?;
+            diesel::sql_query(
+                "INSERT INTO outbox_progress (partitions, partition, upto_seq, snap) \
+                 SELECT 1, 0, max(seq), pg_current_snapshot() FROM outbox",
+            )
+            .execute(&mut conn)?;
+            diesel::sql_query("VACUUM ANALYZE outbox").execute(&mut conn)?;
+        }
         let relay = tokio::spawn(Relay::new(config, nats).run(shutdown.clone()));
         tokio::time::sleep(Duration::from_millis(500)).await;
         let cpu_before = cpu_snapshot();
