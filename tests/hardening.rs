@@ -1595,6 +1595,66 @@ async fn rows_written_during_a_late_pass_cost_its_parts_nothing() {
     );
 }
 
+/// The buffers of the batch statement of a relay reading all `count` partitions at one
+/// cursor, after 8 writers' transactions of 3 rows each, open while the cursor was read past
+/// later rows, have committed (their rows are late), in a relay's session.
+async fn ended_writers_plan(count: u32) -> (u64, Vec<String>) {
+    use outbox_diesel::relay::{Cursor, explain_batches_analyze, fetch_batches};
+    let db = TestDb::new();
+    let table = outbox_diesel::OutboxTable::DEFAULT;
+    insert_rows_over(&db, 2_000, 500);
+    db.execute("VACUUM ANALYZE outbox", "vacuum");
+    let inserts: Vec<String> = (0..8)
+        .map(|w| {
+            format!(
+                "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+                 SELECT gen_random_uuid(), 'order', 'w{w}-' || i, 'order.placed', '{{}}' \
+                 FROM generate_series(1, 3) AS i"
+            )
+        })
+        .collect();
+    let commits: Vec<_> = inserts.iter().map(|i| hold_open(&db, i)).collect();
+    insert_rows_over(&db, 2, 2);
+    let mut conn = db.relay_session().await;
+    let mut cursors: Vec<(u32, Cursor)> = (0..count).map(|p| (p, Cursor::start())).collect();
+    loop {
+        let batches = fetch_batches(&mut conn, &table, count, &cursors, &[], 5_000, i64::MAX)
+            .await
+            .expect("fetch");
+        let read: usize = batches.iter().map(|(_, b)| b.rows.len()).sum();
+        cursors = batches.into_iter().map(|(p, b)| (p, b.next)).collect();
+        if read == 0 {
+            break;
+        }
+    }
+    for commit in commits {
+        commit();
+    }
+    // the plan the relay keeps: the sixth call's
+    let mut plan = Vec::new();
+    for _ in 0..6 {
+        plan = explain_batches_analyze(&mut conn, &table, count, &cursors, 500)
+            .await
+            .expect("explain");
+    }
+    (buffers(&plan), plan)
+}
+
+/// A late row costs a relay one look-up of its transaction however many partitions it reads:
+/// with 8 partitions the batch after 8 writers' transactions committed late reads no more than
+/// with 1 (it looked each transaction up once per partition: 8 times the index descents).
+#[tokio::test]
+async fn late_rows_cost_one_look_up_however_many_partitions_a_relay_reads() {
+    let (one, _) = ended_writers_plan(1).await;
+    let (eight, plan) = ended_writers_plan(8).await;
+    println!("late rows of 8 writers: {one} buffers with 1 partition, {eight} with 8");
+    assert!(
+        eight <= one + 30,
+        "{eight} buffers with 8 partitions, {one} with 1:\n{}",
+        plan.join("\n")
+    );
+}
+
 /// A late pass recorded with its cursor: a new owner of the partition (another relay, or the
 /// same one restarted) loads the pass and reads on after its last recorded part, so no row of
 /// the pass is read twice; the audit view dates the rows read so far, the backlog no longer

@@ -130,53 +130,11 @@ pub async fn fetch_batches(
     if cursors.is_empty() {
         return Ok(Vec::new());
     }
-    let indexes: Vec<i32> = cursors.iter().map(|(p, _)| *p as i32).collect();
-    let uptos: Vec<i64> = cursors.iter().map(|(_, c)| c.upto_seq).collect();
-    let snaps: Vec<&str> = cursors.iter().map(|(_, c)| c.snap.as_str()).collect();
-    let afters: Vec<Option<i64>> = cursors.iter().map(|(_, c)| c.late_after_seq()).collect();
-    let uppers: Vec<Option<&str>> = cursors.iter().map(|(_, c)| c.late_snap()).collect();
-    // where the walk takes each partition's rows from, by partition: after its cursor; a
-    // partition not read here, or in a late pass, not at all
-    let walking: Vec<(u32, i64)> = cursors
-        .iter()
-        .filter(|(_, c)| c.late.is_none())
-        .map(|(p, c)| (*p, c.upto_seq))
-        .collect();
-    let walked_partitions: Vec<i32> = walking.iter().map(|(p, _)| *p as i32).collect();
-    let some = cursors.len() < count as usize;
-    let shape = if walking.windows(2).any(|w| w[0].1 != w[1].1) {
-        Walk::EachAfterItsCursor
-    } else if some || walking.len() < cursors.len() {
-        Walk::Some
-    } else {
-        Walk::All
-    };
-    // the cursors by partition, bound only when they differ
-    let mut walk = Vec::new();
-    if shape == Walk::EachAfterItsCursor {
-        walk = vec![i64::MAX; count.max(1) as usize];
-        for (p, upto) in &walking {
-            if let Some(after) = walk.get_mut(*p as usize) {
-                *after = *upto;
-            }
-        }
-    }
-    let fetched: Vec<Fetched> = BatchStatement {
-        sql: batch_sql(table, count, some, shape),
-        indexes: &indexes,
-        uptos: &uptos,
-        snaps: &snaps,
-        limit,
-        max_bytes,
-        exclude,
-        from: walking.iter().map(|(_, u)| *u).min().unwrap_or(i64::MAX),
-        afters: &afters,
-        uppers: &uppers,
-        walk: &walk,
-        walked: &walked_partitions,
-    }
-    .load(conn)
-    .await?;
+    let binds = Binds::of(count, cursors);
+    let fetched: Vec<Fetched> = binds
+        .statement(table, count, "", exclude, limit, max_bytes)
+        .load(conn)
+        .await?;
     // the statement's snapshot, when it returned a row; with none, nothing was there to read:
     // a late pass has ended, the other cursors stay
     let snap = <[Fetched]>::first(&fetched).map(|f| f.snap.clone());
@@ -284,7 +242,7 @@ struct BatchStatement<'a> {
     sql: String,
     indexes: &'a [i32],
     uptos: &'a [i64],
-    snaps: &'a [&'a str],
+    snaps: &'a [String],
     limit: i64,
     max_bytes: i64,
     exclude: &'a [i64],
@@ -292,12 +250,98 @@ struct BatchStatement<'a> {
     from: i64,
     /// Per cursor, its late pass's `seq` and snapshot, if any.
     afters: &'a [Option<i64>],
-    uppers: &'a [Option<&'a str>],
+    uppers: &'a [Option<String>],
     /// By partition, the `seq` its walked rows come after: its cursor's, or `i64::MAX` for a
     /// partition not walked (in a late pass, or not read by the caller).
     walk: &'a [i64],
     /// The partitions walked.
     walked: &'a [i32],
+}
+
+/// What [`batch_sql`] binds for `cursors` of partitions of `count`, and the shape of its walk.
+struct Binds {
+    indexes: Vec<i32>,
+    uptos: Vec<i64>,
+    snaps: Vec<String>,
+    afters: Vec<Option<i64>>,
+    uppers: Vec<Option<String>>,
+    /// where the walk starts: the lowest walked cursor's `seq`
+    from: i64,
+    walk: Vec<i64>,
+    walked: Vec<i32>,
+    some: bool,
+    shape: Walk,
+}
+
+impl Binds {
+    fn of(count: u32, cursors: &[(u32, Cursor)]) -> Binds {
+        // where the walk takes each partition's rows from, by partition: after its cursor; a
+        // partition not read here, or in a late pass, not at all
+        let walking: Vec<(u32, i64)> = cursors
+            .iter()
+            .filter(|(_, c)| c.late.is_none())
+            .map(|(p, c)| (*p, c.upto_seq))
+            .collect();
+        let some = cursors.len() < count as usize;
+        let shape = if walking.windows(2).any(|w| w[0].1 != w[1].1) {
+            Walk::EachAfterItsCursor
+        } else if some || walking.len() < cursors.len() {
+            Walk::Some
+        } else {
+            Walk::All
+        };
+        // the cursors by partition, bound only when they differ
+        let mut walk = Vec::new();
+        if shape == Walk::EachAfterItsCursor {
+            walk = vec![i64::MAX; count.max(1) as usize];
+            for (p, upto) in &walking {
+                if let Some(after) = walk.get_mut(*p as usize) {
+                    *after = *upto;
+                }
+            }
+        }
+        Binds {
+            indexes: cursors.iter().map(|(p, _)| *p as i32).collect(),
+            uptos: cursors.iter().map(|(_, c)| c.upto_seq).collect(),
+            snaps: cursors.iter().map(|(_, c)| c.snap.clone()).collect(),
+            afters: cursors.iter().map(|(_, c)| c.late_after_seq()).collect(),
+            uppers: cursors
+                .iter()
+                .map(|(_, c)| c.late_snap().map(str::to_owned))
+                .collect(),
+            from: walking.iter().map(|(_, u)| *u).min().unwrap_or(i64::MAX),
+            walked: walking.iter().map(|(p, _)| *p as i32).collect(),
+            walk,
+            some,
+            shape,
+        }
+    }
+
+    /// The statement with these binds, its text after `prefix` (e.g. `EXPLAIN`).
+    fn statement<'a>(
+        &'a self,
+        table: &OutboxTable,
+        count: u32,
+        prefix: &str,
+        exclude: &'a [i64],
+        limit: i64,
+        max_bytes: i64,
+    ) -> BatchStatement<'a> {
+        BatchStatement {
+            sql: format!("{prefix}{}", batch_sql(table, count, self.some, self.shape)),
+            indexes: &self.indexes,
+            uptos: &self.uptos,
+            snaps: &self.snaps,
+            limit,
+            max_bytes,
+            exclude,
+            from: self.from,
+            afters: &self.afters,
+            uppers: &self.uppers,
+            walk: &self.walk,
+            walked: &self.walked,
+        }
+    }
 }
 
 impl QueryId for BatchStatement<'_> {
@@ -382,23 +426,26 @@ enum Walk {
 ///
 /// - Of the transactions in progress, only those the statement's snapshot sees ended are
 ///   looked up: a bulk load still running behind the cursor would otherwise cost every batch a
-///   visit of every row it has written so far, none of them visible. Their rows are read per
-///   transaction in `seq` order (from where a late pass stands), `limit + 1` at most, by a
-///   range of `outbox_txid` (`txid, seq`) written as row comparisons, which no other index can
-///   serve (with `seq` bounds alone the planner may walk the primary key and filter by
-///   transaction id), behind an `OFFSET 0` fence and only then tested for being unpublished
-///   (given the test inside, the planner may read every unpublished row through
-///   `outbox_ready` and filter it by transaction id). So the batch that finds a late
-///   transaction, and each part of its late pass, reads its own rows and not every row of the
-///   transaction left: a bulk load of millions committed late made one batch of seconds, and
-///   a pass was quadratic in its rows.
+///   visit of every row it has written so far, none of them visible. Each is looked up once,
+///   for every cursor (`lx`): its first 17 rows in the range of all cursors, in `seq` order. A
+///   transaction with 16 or fewer is read whole there; one with more (`many`) is read per
+///   cursor, in `seq` order from where a late pass stands, `limit + 1` rows at most. Both
+///   read a range of `outbox_txid` (`txid, seq`) written as row comparisons, which no other
+///   index can serve (with `seq` bounds alone the planner may walk the primary key and filter
+///   by transaction id), and only then test for being unpublished (given the test inside, the
+///   planner may read every unpublished row through `outbox_ready` and filter it by
+///   transaction id). So the batch that finds a late transaction, and each part of its late
+///   pass, reads its own rows and not every row of the transaction left (a bulk load of
+///   millions committed late made one batch of seconds, and a pass was quadratic in its rows),
+///   and a writer's few late rows cost one look-up however many partitions the relay reads
+///   (one per partition made 8 partitions read three times the buffers of one).
 /// - The transactions begun after the snapshot are looked up by a range of transaction ids,
 ///   up to the statement's snapshot, or in a late pass up to the pass's (its rows must be
 ///   visible to it): the parts of a long pass do not read again every row written since the
 ///   pass began.
 ///
 /// Each partition's late rows come in `seq` order within the row limit and the byte budget,
-/// each with how many were found (those of a transaction counted up to `limit + 1`), so that
+/// each with how many were found (those of a transaction with many counted up to `limit + 1`), so that
 /// the caller knows when they did not all fit: the first `limit` of them by `seq` are among
 /// those found, since a row is at most as far into its own transaction's rows as into all of
 /// them. In a late pass, only those after the pass's `seq` that the pass's snapshot sees.
@@ -427,12 +474,22 @@ fn batch_sql(table: &OutboxTable, count: u32, some: bool, shape: Walk) -> String
                    AND (c.upper IS NULL OR pg_visible_in_snapshot(o.txid, c.upper))";
     let min = i64::MIN;
     let limit = "(SELECT $4::int8)";
+    // a transaction with at most this many late rows is read once for every cursor; one with
+    // more, per cursor, `limit + 1` rows at most each
+    const FEW: i64 = 16;
     format!(
         "WITH cur AS MATERIALIZED (SELECT pg_current_snapshot() AS s), \
          c AS MATERIALIZED (SELECT c.p, c.upto, c.snap::pg_snapshot AS snap, c.after, \
          c.upper::pg_snapshot AS upper \
          FROM unnest((SELECT $1::int4[]), (SELECT $2::int8[]), (SELECT $3::text[]), \
-         (SELECT $8::int8[]), (SELECT $9::text[])) AS c(p, upto, snap, after, upper)) \
+         (SELECT $8::int8[]), (SELECT $9::text[])) AS c(p, upto, snap, after, upper)), \
+         lx AS MATERIALIZED (SELECT o.* FROM (SELECT DISTINCT x FROM c, pg_snapshot_xip(c.snap) AS x \
+         WHERE pg_visible_in_snapshot(x, (SELECT s FROM cur))) AS xs(x) \
+         CROSS JOIN LATERAL (SELECT * FROM {t} o \
+         WHERE (o.txid, o.seq) > (xs.x, (SELECT min(COALESCE(c.after, {min})) FROM c)) \
+         AND (o.txid, o.seq) <= (xs.x, (SELECT max(c.upto) FROM c)) \
+         ORDER BY o.txid, o.seq LIMIT {FEW} + 1) o), \
+         many AS MATERIALIZED (SELECT txid FROM lx GROUP BY txid HAVING count(*) > {FEW}) \
          SELECT {COLUMNS}, o.part, o.p, {behind} AS behind, o.late_total, (SELECT s::text FROM cur) AS snap FROM ( \
          (SELECT {COLUMNS}, 0 AS part, o.p, 0::int8 AS late_total FROM (SELECT {COLUMNS}, o.p, \
          COALESCE(sum(octet_length(o.payload::text)) \
@@ -445,8 +502,14 @@ fn batch_sql(table: &OutboxTable, count: u32, some: bool, shape: Walk) -> String
          row_number() OVER w AS rn, count(*) OVER (PARTITION BY o.p) AS total, \
          COALESCE(sum(octet_length(o.payload::text)) \
          OVER (w ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before FROM ( \
+         (SELECT {COLUMNS}, c.p FROM lx o JOIN c ON c.p = {p} \
+         WHERE o.txid NOT IN (SELECT txid FROM many) \
+         AND o.published_at IS NULL AND o.parked_at IS NULL AND o.seq <= c.upto \
+         AND o.txid < pg_snapshot_xmax(c.snap) AND NOT pg_visible_in_snapshot(o.txid, c.snap) \
+         AND {in_pass}) \
+         UNION ALL \
          (SELECT {COLUMNS}, c.p FROM c CROSS JOIN LATERAL (SELECT x FROM pg_snapshot_xip(c.snap) \
-         AS x WHERE pg_visible_in_snapshot(x, (SELECT s FROM cur))) AS x(txid) \
+         AS x WHERE x IN (SELECT txid FROM many)) AS x(txid) \
          CROSS JOIN LATERAL (SELECT * FROM (SELECT * FROM {t} o \
          WHERE (o.txid, o.seq) > (x.txid, COALESCE(c.after, {min})) \
          AND (o.txid, o.seq) <= (x.txid, c.upto) ORDER BY o.txid, o.seq OFFSET 0) o \
@@ -469,7 +532,7 @@ fn batch_sql(table: &OutboxTable, count: u32, some: bool, shape: Walk) -> String
 
 /// [`fetch_batch`]'s statement run with `EXPLAIN (ANALYZE, BUFFERS)` at `cursor` (with its late
 /// pass, if any): the plan with the rows and buffers each node read (nothing is held back or
-/// recorded).
+/// recorded). [`explain_batches_analyze`] for one partition.
 pub async fn explain_batch_analyze(
     conn: &mut AsyncPgConnection,
     table: &OutboxTable,
@@ -477,33 +540,39 @@ pub async fn explain_batch_analyze(
     cursor: &Cursor,
     limit: i64,
 ) -> QueryResult<Vec<String>> {
-    // a partition in a late pass is not walked
-    let walking = cursor.late.is_none();
-    let mut walk = vec![i64::MAX; partition.count.max(1) as usize];
-    if let (Some(after), true) = (walk.get_mut(partition.index as usize), walking) {
-        *after = cursor.upto_seq;
-    }
-    let lines: Vec<super::super::poll::PlanLine> = diesel::sql_query(format!(
-        "EXPLAIN (ANALYZE, BUFFERS) {}",
-        batch_sql(table, partition.count, true, Walk::Some)
-    ))
-    .bind::<Array<Integer>, _>(vec![partition.index as i32])
-    .bind::<Array<BigInt>, _>(vec![cursor.upto_seq])
-    .bind::<Array<Text>, _>(vec![cursor.snap.clone()])
-    .bind::<BigInt, _>(limit)
-    .bind::<BigInt, _>(i64::MAX)
-    .bind::<Array<BigInt>, _>(Vec::<i64>::new())
-    .bind::<BigInt, _>(if walking { cursor.upto_seq } else { i64::MAX })
-    .bind::<Array<Nullable<BigInt>>, _>(vec![cursor.late_after_seq()])
-    .bind::<Array<Nullable<Text>>, _>(vec![cursor.late_snap()])
-    .bind::<Array<BigInt>, _>(walk)
-    .bind::<Array<Integer>, _>(if walking {
-        vec![partition.index as i32]
-    } else {
-        Vec::new()
-    })
-    .load(conn)
-    .await?;
+    explain_batches_analyze(
+        conn,
+        table,
+        partition.count,
+        &[(partition.index, cursor.clone())],
+        limit,
+    )
+    .await
+}
+
+/// [`fetch_batches`]'s statement for `cursors` of partitions of `count`, run with `EXPLAIN
+/// (ANALYZE, BUFFERS)` as the relay runs it (the same prepared statement, so after five calls
+/// the plan PostgreSQL keeps): the plan with the rows and buffers each node read (nothing is
+/// held back or recorded).
+pub async fn explain_batches_analyze(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    count: u32,
+    cursors: &[(u32, Cursor)],
+    limit: i64,
+) -> QueryResult<Vec<String>> {
+    let binds = Binds::of(count, cursors);
+    let lines: Vec<super::super::poll::PlanLine> = binds
+        .statement(
+            table,
+            count,
+            "EXPLAIN (ANALYZE, BUFFERS) ",
+            &[],
+            limit,
+            i64::MAX,
+        )
+        .load(conn)
+        .await?;
     Ok(lines.into_iter().map(|l| l.line).collect())
 }
 
