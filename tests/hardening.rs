@@ -1396,6 +1396,43 @@ async fn late_pass_plans(late: i64, since: i64) -> LatePassPlans {
     LatePassPlans { first, part }
 }
 
+/// The cursors of all `count` partitions after reading the whole table from the start, in
+/// batches of 5,000, as a relay catching up leaves them.
+async fn read_to_the_end(
+    conn: &mut diesel_async::AsyncPgConnection,
+    count: u32,
+) -> Vec<(u32, outbox_diesel::relay::Cursor)> {
+    use outbox_diesel::relay::{Cursor, fetch_batches};
+    let table = outbox_diesel::OutboxTable::DEFAULT;
+    let mut cursors: Vec<(u32, Cursor)> = (0..count).map(|p| (p, Cursor::start())).collect();
+    loop {
+        let batches = fetch_batches(conn, &table, count, &cursors, &[], 5_000, i64::MAX)
+            .await
+            .expect("fetch");
+        let read: usize = batches.iter().map(|(_, b)| b.rows.len()).sum();
+        cursors = batches.into_iter().map(|(p, b)| (p, b.next)).collect();
+        if read == 0 {
+            return cursors;
+        }
+    }
+}
+
+/// Asserts that `what` reads no more buffers in the `case` than in the `base` one, give or
+/// take `slack`, showing the case's plan when it does; prints both.
+fn assert_no_dearer(
+    what: &str,
+    (base, base_is): (u64, &str),
+    (case, case_is, plan): (u64, &str, &[String]),
+    slack: u64,
+) {
+    println!("{what}: {base} buffers {base_is}, {case} {case_is}");
+    assert!(
+        case <= base + slack,
+        "{what}: {case} buffers {case_is}, {base} {base_is}:\n{}",
+        plan.join("\n")
+    );
+}
+
 #[derive(diesel::QueryableByName, Debug)]
 struct Plans {
     #[diesel(sql_type = diesel::sql_types::BigInt)]
@@ -1469,18 +1506,7 @@ async fn a_relay_caught_up_keeps_the_generic_plan_of_its_batch_statement() {
     // each partition count's cursors, read to the end of the table
     let mut ends: Vec<(u32, Vec<(u32, Cursor)>)> = Vec::new();
     for count in [1u32, 4] {
-        let mut cursors: Vec<(u32, Cursor)> = (0..count).map(|p| (p, Cursor::start())).collect();
-        loop {
-            let batches = fetch_batches(&mut conn, &table, count, &cursors, &[], 5_000, i64::MAX)
-                .await
-                .expect("fetch");
-            let read: usize = batches.iter().map(|(_, b)| b.rows.len()).sum();
-            cursors = batches.into_iter().map(|(p, b)| (p, b.next)).collect();
-            if read == 0 {
-                break;
-            }
-        }
-        ends.push((count, cursors));
+        ends.push((count, read_to_the_end(&mut conn, count).await));
     }
     // cursors that differ: partition 0 one batch behind the others
     let (_, four) = &ends[1];
@@ -1541,11 +1567,11 @@ async fn open_transaction_plan(open: i64) -> (u64, Vec<String>) {
 async fn a_transaction_still_open_behind_the_cursor_costs_a_batch_nothing() {
     let (small, _) = open_transaction_plan(200).await;
     let (large, plan) = open_transaction_plan(20_000).await;
-    println!("a batch: {small} buffers with 200 rows of an open transaction, {large} with 20,000");
-    assert!(
-        large <= small + 10,
-        "{large} buffers with 20,000 rows open, {small} with 200:\n{}",
-        plan.join("\n")
+    assert_no_dearer(
+        "a batch",
+        (small, "with 200 rows of an open transaction"),
+        (large, "with 20,000", &plan),
+        10,
     );
 }
 
@@ -1556,11 +1582,11 @@ async fn a_transaction_still_open_behind_the_cursor_costs_a_batch_nothing() {
 async fn a_late_pass_reads_each_part_at_the_cost_of_the_part_not_of_the_pass() {
     let (small, _) = late_pass_plans(200, 0).await.part;
     let (large, plan) = late_pass_plans(20_000, 0).await.part;
-    println!("a pass's part: {small} buffers with 200 late rows, {large} with 20,000");
-    assert!(
-        large <= small + 20,
-        "{large} buffers with 20,000 late rows, {small} with 200:\n{}",
-        plan.join("\n")
+    assert_no_dearer(
+        "a pass's part",
+        (small, "with 200 late rows"),
+        (large, "with 20,000", &plan),
+        20,
     );
 }
 
@@ -1571,11 +1597,11 @@ async fn a_late_pass_reads_each_part_at_the_cost_of_the_part_not_of_the_pass() {
 async fn a_late_pass_begins_at_the_cost_of_its_first_part() {
     let (small, _) = late_pass_plans(200, 0).await.first;
     let (large, plan) = late_pass_plans(20_000, 0).await.first;
-    println!("a pass's first batch: {small} buffers with 200 late rows, {large} with 20,000");
-    assert!(
-        large <= small + 20,
-        "{large} buffers with 20,000 late rows, {small} with 200:\n{}",
-        plan.join("\n")
+    assert_no_dearer(
+        "a pass's first batch",
+        (small, "with 200 late rows"),
+        (large, "with 20,000", &plan),
+        20,
     );
 }
 
@@ -1587,11 +1613,11 @@ async fn a_late_pass_begins_at_the_cost_of_its_first_part() {
 async fn rows_written_during_a_late_pass_cost_its_parts_nothing() {
     let (quiet, _) = late_pass_plans(200, 0).await.part;
     let (busy, plan) = late_pass_plans(200, 20_000).await.part;
-    println!("a pass's part: {quiet} buffers with no rows since, {busy} with 20,000");
-    assert!(
-        busy <= quiet + 20,
-        "{busy} buffers with 20,000 rows written since the pass began, {quiet} with none:\n{}",
-        plan.join("\n")
+    assert_no_dearer(
+        "a pass's part",
+        (quiet, "with no rows since"),
+        (busy, "with 20,000", &plan),
+        20,
     );
 }
 
@@ -1599,7 +1625,7 @@ async fn rows_written_during_a_late_pass_cost_its_parts_nothing() {
 /// cursor, after 8 writers' transactions of 3 rows each, open while the cursor was read past
 /// later rows, have committed (their rows are late), in a relay's session.
 async fn ended_writers_plan(count: u32) -> (u64, Vec<String>) {
-    use outbox_diesel::relay::{Cursor, explain_batches_analyze, fetch_batches};
+    use outbox_diesel::relay::explain_batches_analyze;
     let db = TestDb::new();
     let table = outbox_diesel::OutboxTable::DEFAULT;
     insert_rows_over(&db, 2_000, 500);
@@ -1616,17 +1642,7 @@ async fn ended_writers_plan(count: u32) -> (u64, Vec<String>) {
     let commits: Vec<_> = inserts.iter().map(|i| hold_open(&db, i)).collect();
     insert_rows_over(&db, 2, 2);
     let mut conn = db.relay_session().await;
-    let mut cursors: Vec<(u32, Cursor)> = (0..count).map(|p| (p, Cursor::start())).collect();
-    loop {
-        let batches = fetch_batches(&mut conn, &table, count, &cursors, &[], 5_000, i64::MAX)
-            .await
-            .expect("fetch");
-        let read: usize = batches.iter().map(|(_, b)| b.rows.len()).sum();
-        cursors = batches.into_iter().map(|(p, b)| (p, b.next)).collect();
-        if read == 0 {
-            break;
-        }
-    }
+    let cursors = read_to_the_end(&mut conn, count).await;
     for commit in commits {
         commit();
     }
@@ -1647,11 +1663,11 @@ async fn ended_writers_plan(count: u32) -> (u64, Vec<String>) {
 async fn late_rows_cost_one_look_up_however_many_partitions_a_relay_reads() {
     let (one, _) = ended_writers_plan(1).await;
     let (eight, plan) = ended_writers_plan(8).await;
-    println!("late rows of 8 writers: {one} buffers with 1 partition, {eight} with 8");
-    assert!(
-        eight <= one + 30,
-        "{eight} buffers with 8 partitions, {one} with 1:\n{}",
-        plan.join("\n")
+    assert_no_dearer(
+        "late rows of 8 writers",
+        (one, "with 1 partition"),
+        (eight, "with 8", &plan),
+        30,
     );
 }
 

@@ -52,6 +52,7 @@ use super::Partition;
 mod batch;
 mod coverage;
 mod retention;
+mod statement;
 
 pub use batch::*;
 pub(crate) use coverage::Coverage;

@@ -1,0 +1,334 @@
+//! The ordered batch statement: its text ([`batch_sql`]), its binds for a set of cursors, and
+//! the statement the connection prepares once and keeps.
+
+use diesel::QueryResult;
+use diesel::pg::Pg;
+use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
+use diesel::sql_types::{Array, BigInt, Integer, Nullable, Text};
+
+use crate::OutboxTable;
+
+use super::Cursor;
+
+/// Whether an earlier row of row `o`'s aggregate is parked or held (1), or only released
+/// ones are waiting (2), or none (0). Each test stops at the first row it finds, so a row
+/// costs the same however many rows of its aggregate wait.
+pub(super) fn behind_sql(table: &OutboxTable) -> String {
+    let t = table.quoted();
+    let earlier = format!(
+        "FROM {t} p WHERE p.aggregate_type = o.aggregate_type AND p.aggregate_id = o.aggregate_id \
+         AND p.parked_at IS NOT NULL AND p.published_at IS NULL AND p.seq < o.seq"
+    );
+    format!(
+        "CASE WHEN EXISTS (SELECT 1 {earlier} AND p.parked_at < 'infinity') THEN 1 \
+         WHEN EXISTS (SELECT 1 {earlier} AND p.parked_at = 'infinity') THEN 2 ELSE 0 END"
+    )
+}
+
+/// [`batch_sql`] with its binds, as a statement the connection prepares once and keeps (a
+/// `sql_query` is planned again at every call, which for this statement costs more than
+/// running it on a small batch). Each `$n` of the text takes its bind where it stands, so a
+/// value used twice is bound twice.
+pub(super) struct BatchStatement<'a> {
+    sql: String,
+    indexes: &'a [i32],
+    uptos: &'a [i64],
+    snaps: &'a [&'a str],
+    limit: i64,
+    max_bytes: i64,
+    exclude: &'a [i64],
+    /// The lowest walked cursor's `seq`, where the walk starts.
+    from: i64,
+    /// Per cursor, its late pass's `seq` and snapshot, if any.
+    afters: &'a [Option<i64>],
+    uppers: &'a [Option<&'a str>],
+    /// By partition, the `seq` its walked rows come after: its cursor's, or `i64::MAX` for a
+    /// partition not walked (in a late pass, or not read by the caller).
+    walk: &'a [i64],
+    /// The partitions walked.
+    walked: &'a [i32],
+}
+
+/// What [`batch_sql`] binds for `cursors` of partitions of `count`, and the shape of its walk.
+pub(super) struct Binds<'c> {
+    indexes: Vec<i32>,
+    uptos: Vec<i64>,
+    snaps: Vec<&'c str>,
+    afters: Vec<Option<i64>>,
+    uppers: Vec<Option<&'c str>>,
+    /// where the walk starts: the lowest walked cursor's `seq`
+    from: i64,
+    walk: Vec<i64>,
+    walked: Vec<i32>,
+    some: bool,
+    shape: Walk,
+}
+
+impl<'c> Binds<'c> {
+    pub(super) fn of(count: u32, cursors: &'c [(u32, Cursor)]) -> Binds<'c> {
+        // where the walk takes each partition's rows from, by partition: after its cursor; a
+        // partition not read here, or in a late pass, not at all
+        let walking: Vec<(u32, i64)> = cursors
+            .iter()
+            .filter(|(_, c)| c.late.is_none())
+            .map(|(p, c)| (*p, c.upto_seq))
+            .collect();
+        let some = cursors.len() < count as usize;
+        let shape = if walking.windows(2).any(|w| w[0].1 != w[1].1) {
+            Walk::EachAfterItsCursor
+        } else if some || walking.len() < cursors.len() {
+            Walk::Some
+        } else {
+            Walk::All
+        };
+        // the cursors by partition, bound only when they differ
+        let mut walk = Vec::new();
+        if shape == Walk::EachAfterItsCursor {
+            walk = vec![i64::MAX; count.max(1) as usize];
+            for (p, upto) in &walking {
+                if let Some(after) = walk.get_mut(*p as usize) {
+                    *after = *upto;
+                }
+            }
+        }
+        Binds {
+            indexes: cursors.iter().map(|(p, _)| *p as i32).collect(),
+            uptos: cursors.iter().map(|(_, c)| c.upto_seq).collect(),
+            snaps: cursors.iter().map(|(_, c)| c.snap.as_str()).collect(),
+            afters: cursors.iter().map(|(_, c)| c.late_after_seq()).collect(),
+            uppers: cursors.iter().map(|(_, c)| c.late_snap()).collect(),
+            from: walking.iter().map(|(_, u)| *u).min().unwrap_or(i64::MAX),
+            walked: walking.iter().map(|(p, _)| *p as i32).collect(),
+            walk,
+            some,
+            shape,
+        }
+    }
+
+    /// The statement with these binds, its text after `prefix` (e.g. `EXPLAIN`).
+    pub(super) fn statement<'a>(
+        &'a self,
+        table: &OutboxTable,
+        count: u32,
+        prefix: &str,
+        exclude: &'a [i64],
+        limit: i64,
+        max_bytes: i64,
+    ) -> BatchStatement<'a> {
+        BatchStatement {
+            sql: format!("{prefix}{}", batch_sql(table, count, self.some, self.shape)),
+            indexes: &self.indexes,
+            uptos: &self.uptos,
+            snaps: &self.snaps,
+            limit,
+            max_bytes,
+            exclude,
+            from: self.from,
+            afters: &self.afters,
+            uppers: &self.uppers,
+            walk: &self.walk,
+            walked: &self.walked,
+        }
+    }
+}
+
+impl QueryId for BatchStatement<'_> {
+    type QueryId = ();
+    const HAS_STATIC_QUERY_ID: bool = false;
+}
+
+impl Query for BatchStatement<'_> {
+    type SqlType = diesel::sql_types::Untyped;
+}
+
+impl QueryFragment<Pg> for BatchStatement<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        let mut rest = self.sql.as_str();
+        while let Some(at) = rest.find('$') {
+            out.push_sql(&rest[..at]);
+            let digits = rest[at + 1..]
+                .bytes()
+                .take_while(u8::is_ascii_digit)
+                .count();
+            let n: u32 = rest[at + 1..at + 1 + digits].parse().unwrap_or(0);
+            match n {
+                1 => out.push_bind_param::<Array<Integer>, _>(self.indexes)?,
+                2 => out.push_bind_param::<Array<BigInt>, _>(self.uptos)?,
+                3 => out.push_bind_param::<Array<Text>, _>(self.snaps)?,
+                4 => out.push_bind_param::<BigInt, _>(&self.limit)?,
+                5 => out.push_bind_param::<BigInt, _>(&self.max_bytes)?,
+                6 => out.push_bind_param::<Array<BigInt>, _>(self.exclude)?,
+                7 => out.push_bind_param::<BigInt, _>(&self.from)?,
+                8 => out.push_bind_param::<Array<Nullable<BigInt>>, _>(self.afters)?,
+                9 => out.push_bind_param::<Array<Nullable<Text>>, _>(self.uppers)?,
+                10 => out.push_bind_param::<Array<BigInt>, _>(self.walk)?,
+                11 => out.push_bind_param::<Array<Integer>, _>(self.walked)?,
+                // a `$` of a quoted name: text
+                _ => {
+                    out.push_sql("$");
+                    rest = &rest[at + 1..];
+                    continue;
+                }
+            }
+            rest = &rest[at + 1 + digits..];
+        }
+        out.push_sql(rest);
+        Ok(())
+    }
+}
+
+/// Which rows the walk of [`batch_sql`] takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Walk {
+    /// Every partition's, all after the same cursor.
+    All,
+    /// Those of the partitions walked (`$11`), all after the same cursor.
+    Some,
+    /// Each partition's after its own cursor (`$10`): cursors differ after a take-over.
+    EachAfterItsCursor,
+}
+
+/// The statement of [`fetch_batches`](crate::relay::fetch_batches) for partitions of `count` of `table`, `some` when the
+/// relay reads only some of them, the walk's `shape`; its binds: the partitions, their cursors'
+/// `seq`s and snapshots, the row limit, the byte budget, the released rows to leave out, the
+/// lowest walked cursor's `seq`, the late passes' `seq`s and snapshots (NULL for a cursor
+/// without one), by partition the `seq` its walked rows come after (`i64::MAX`: not walked),
+/// and the partitions walked.
+///
+/// The planner sees no bind's value: each is read through a subquery (`(SELECT $n)`), so that
+/// the plan of a call is the same with or without the values, and PostgreSQL keeps the
+/// session's generic plan. With the values in sight, a relay caught up (a cursor at the end
+/// of the table, a few rows a batch) got custom plans cheaper than the generic one by the
+/// estimates, and PostgreSQL planned the statement again at every call: 0.8 ms a batch against
+/// 0.08 for running the generic plan.
+///
+/// The next rows are one walk through the rows after the lowest cursor, each taken when it is
+/// above its own partition's cursor: the row limit and the byte budget count only those. A
+/// partition taken over far behind the others (cursors differ then) gets its own rows in its
+/// first batch, instead of a batch's worth of rows the others had read before at a time.
+/// While the cursors agree (the steady state) the walk tests the partition alone, which costs
+/// PostgreSQL less per event (BENCHMARKS.md, section 12).
+///
+/// A row is late for its partition when that cursor's snapshot had its transaction in
+/// progress (`xip`, below `xmax`) or not begun (at or above `xmax`): two disjoint parts.
+///
+/// - Of the transactions in progress, only those the statement's snapshot sees ended are
+///   looked up: a bulk load still running behind the cursor would otherwise cost every batch a
+///   visit of every row it has written so far, none of them visible. With several
+///   partitions each is looked up once for all the cursors (`lx`): its first 17 rows in the
+///   range of all cursors, in `seq` order. A transaction with 16 or fewer is read whole there;
+///   one with more (`many`), and with one partition every one, is read per cursor, in `seq`
+///   order from where a late pass stands, `limit + 1` rows at most. Both
+///   read a range of `outbox_txid` (`txid, seq`) written as row comparisons, which no other
+///   index can serve (with `seq` bounds alone the planner may walk the primary key and filter
+///   by transaction id), and only then test for being unpublished (given the test inside, the
+///   planner may read every unpublished row through `outbox_ready` and filter it by
+///   transaction id). So the batch that finds a late transaction, and each part of its late
+///   pass, reads its own rows and not every row of the transaction left (a bulk load of
+///   millions committed late made one batch of seconds, and a pass was quadratic in its rows),
+///   and a writer's few late rows cost one look-up however many partitions the relay reads
+///   (one per partition made 8 partitions read three times the buffers of one).
+/// - The transactions begun after the snapshot are looked up by a range of transaction ids,
+///   up to the statement's snapshot, or in a late pass up to the pass's (its rows must be
+///   visible to it): the parts of a long pass do not read again every row written since the
+///   pass began.
+///
+/// Each partition's late rows come in `seq` order within the row limit and the byte budget,
+/// each with how many were found (those of a transaction with many counted up to `limit + 1`), so that
+/// the caller knows when they did not all fit: the first `limit` of them by `seq` are among
+/// those found, since a row is at most as far into its own transaction's rows as into all of
+/// them. In a late pass, only those after the pass's `seq` that the pass's snapshot sees.
+fn batch_sql(table: &OutboxTable, count: u32, some: bool, shape: Walk) -> String {
+    const COLUMNS: &str = "o.seq, o.id, o.aggregate_type, o.aggregate_id, o.event_type, \
+                           o.payload, o.headers, o.created_at, o.attempts";
+    let t = table.quoted();
+    // the count is a literal: each partition count gets its own cached plan
+    let p = if count > 1 {
+        format!("(o.aggregate_hash % {count})::int4")
+    } else {
+        "0".to_owned()
+    };
+    let owned = if some {
+        format!(" AND {p} = ANY((SELECT $1::int4[])::int4[])")
+    } else {
+        String::new()
+    };
+    let walked = match shape {
+        Walk::All => String::new(),
+        Walk::Some => format!(" AND {p} = ANY((SELECT $11::int4[])::int4[])"),
+        Walk::EachAfterItsCursor => format!(" AND o.seq > ((SELECT $10::int8[]))[{p} + 1]"),
+    };
+    let behind = behind_sql(table);
+    let in_pass = "(c.after IS NULL OR o.seq > c.after) \
+                   AND (c.upper IS NULL OR pg_visible_in_snapshot(o.txid, c.upper))";
+    let min = i64::MIN;
+    let limit = "(SELECT $4::int8)";
+    // With several partitions, a transaction with at most this many late rows is looked up
+    // once for all the cursors; one with more, per cursor, `limit + 1` rows at most each. With
+    // one the look-up per cursor is one per transaction, and the statement keeps the fewer
+    // plan nodes (the shared look-up costs an empty batch 0.07 ms).
+    const FEW: i64 = 16;
+    let ended = "pg_visible_in_snapshot(x, (SELECT s FROM cur))";
+    let (few, looked_up, per_cursor) = if count > 1 {
+        (
+            format!(
+                ", lx AS MATERIALIZED (SELECT o.* FROM (SELECT DISTINCT x FROM c, \
+                 pg_snapshot_xip(c.snap) AS x WHERE {ended}) AS xs(x) \
+                 CROSS JOIN LATERAL (SELECT * FROM {t} o \
+                 WHERE (o.txid, o.seq) > (xs.x, (SELECT min(COALESCE(c.after, {min})) FROM c)) \
+                 AND (o.txid, o.seq) <= (xs.x, (SELECT max(c.upto) FROM c)) \
+                 ORDER BY o.txid, o.seq LIMIT {FEW} + 1) o), \
+                 many AS MATERIALIZED (SELECT txid FROM lx GROUP BY txid HAVING count(*) > {FEW})"
+            ),
+            format!(
+                "(SELECT {COLUMNS}, c.p FROM lx o JOIN c ON c.p = {p} \
+                 WHERE o.txid NOT IN (SELECT txid FROM many) \
+                 AND o.published_at IS NULL AND o.parked_at IS NULL AND o.seq <= c.upto \
+                 AND o.txid < pg_snapshot_xmax(c.snap) \
+                 AND NOT pg_visible_in_snapshot(o.txid, c.snap) AND {in_pass}) \
+                 UNION ALL "
+            ),
+            "x IN (SELECT txid FROM many)".to_owned(),
+        )
+    } else {
+        (String::new(), String::new(), ended.to_owned())
+    };
+    format!(
+        "WITH cur AS MATERIALIZED (SELECT pg_current_snapshot() AS s), \
+         c AS MATERIALIZED (SELECT c.p, c.upto, c.snap::pg_snapshot AS snap, c.after, \
+         c.upper::pg_snapshot AS upper \
+         FROM unnest((SELECT $1::int4[]), (SELECT $2::int8[]), (SELECT $3::text[]), \
+         (SELECT $8::int8[]), (SELECT $9::text[])) AS c(p, upto, snap, after, upper)){few} \
+         SELECT {COLUMNS}, o.part, o.p, {behind} AS behind, o.late_total, (SELECT s::text FROM cur) AS snap FROM ( \
+         (SELECT {COLUMNS}, 0 AS part, o.p, 0::int8 AS late_total FROM (SELECT {COLUMNS}, o.p, \
+         COALESCE(sum(octet_length(o.payload::text)) \
+         OVER (ORDER BY o.seq ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before \
+         FROM (SELECT {COLUMNS}, {p} AS p FROM {t} o WHERE o.published_at IS NULL \
+         AND o.parked_at IS NULL AND o.seq > (SELECT $7::int8){walked} \
+         ORDER BY o.seq LIMIT {limit}) o) o WHERE o.before < $5) \
+         UNION ALL \
+         (SELECT {COLUMNS}, 1, o.p, o.total FROM (SELECT {COLUMNS}, o.p, \
+         row_number() OVER w AS rn, count(*) OVER (PARTITION BY o.p) AS total, \
+         COALESCE(sum(octet_length(o.payload::text)) \
+         OVER (w ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before FROM ( \
+         {looked_up}(SELECT {COLUMNS}, c.p FROM c CROSS JOIN LATERAL (SELECT x FROM pg_snapshot_xip(c.snap) \
+         AS x WHERE {per_cursor}) AS x(txid) \
+         CROSS JOIN LATERAL (SELECT * FROM (SELECT * FROM {t} o \
+         WHERE (o.txid, o.seq) > (x.txid, COALESCE(c.after, {min})) \
+         AND (o.txid, o.seq) <= (x.txid, c.upto) ORDER BY o.txid, o.seq OFFSET 0) o \
+         WHERE {p} = c.p AND o.published_at IS NULL AND o.parked_at IS NULL AND {in_pass} \
+         LIMIT {limit} + 1) o) \
+         UNION ALL \
+         (SELECT {COLUMNS}, c.p FROM (SELECT * FROM {t} o \
+         WHERE o.txid >= (SELECT min(pg_snapshot_xmax(c.snap)) FROM c) \
+         AND o.txid < (SELECT max(pg_snapshot_xmax(COALESCE(c.upper, (SELECT s FROM cur)))) FROM c) \
+         OFFSET 0) o \
+         JOIN c ON c.p = {p} WHERE o.published_at IS NULL AND o.parked_at IS NULL \
+         AND o.seq <= c.upto AND o.txid >= pg_snapshot_xmax(c.snap) AND {in_pass})) o \
+         WINDOW w AS (PARTITION BY o.p ORDER BY o.seq)) o WHERE o.rn <= $4 AND o.before < $5) \
+         UNION ALL \
+         (SELECT {COLUMNS}, 2, {p}, 0::int8 FROM {t} o WHERE o.parked_at = 'infinity' \
+         AND o.published_at IS NULL{owned} AND o.seq <> ALL($6) ORDER BY o.seq LIMIT {limit})) o \
+         LEFT JOIN c ON c.p = o.p"
+    )
+}
