@@ -59,6 +59,7 @@ mod record;
 mod record_async;
 #[cfg(feature = "relay")]
 pub mod relay;
+pub mod rotation;
 pub mod schema;
 mod table;
 #[cfg(feature = "relay")]
@@ -81,6 +82,7 @@ pub use options::{InvalidUrl, PgConnectOptions, SslMode, ensure_crypto_provider}
 pub use record::{DEFAULT_MAX_PAYLOAD, InvalidEvent, Notify, Outbox, OutboxExt};
 #[cfg(feature = "async")]
 pub use record_async::AsyncOutboxExt;
+pub use rotation::{Rotation, partition_table};
 #[cfg(feature = "migrations")]
 pub use schema::{MIGRATIONS, run_migrations};
 pub use schema::{SCHEMA_LOCK_KEY, create_table, create_table_sql};

@@ -195,6 +195,22 @@ fn late_pass_sql(table: &OutboxTable) -> String {
         .to_owned()
 }
 
+/// The `CREATE OR REPLACE VIEW` of `table`'s audit view, as the latest migration makes it.
+pub(crate) fn audit_view_sql(table: &OutboxTable) -> String {
+    let sql = late_pass_sql(table);
+    let start = sql.find("CREATE OR REPLACE VIEW").unwrap_or(sql.len());
+    let view = &sql[start..];
+    view[..view.find(';').map_or(view.len(), |end| end + 1)].to_owned()
+}
+
+/// Whether `table`'s progress table exists.
+pub(crate) fn has_progress_table(
+    conn: &mut PgConnection,
+    table: &OutboxTable,
+) -> diesel::QueryResult<bool> {
+    has_column(conn, &table.progress_table(), "upto_seq")
+}
+
 /// `name` (quoted) in the schema of `table`: how an index of the table is named outside
 /// `CREATE INDEX`.
 fn in_schema_of(table: &OutboxTable, name: &str) -> String {

@@ -100,7 +100,7 @@ impl OutboxTable {
         self.sibling("audit")
     }
 
-    fn sibling(&self, suffix: &str) -> String {
+    pub(crate) fn sibling(&self, suffix: &str) -> String {
         let name = quote_ident(&format!("{}_{suffix}", self.name));
         match &self.schema {
             Some(s) => format!("{}.{name}", quote_ident(s)),

@@ -227,6 +227,8 @@ pub struct WalReader {
     slot: String,
     publication: String,
     table_oid: Option<u32>,
+    /// The schema the table was found in, to know it when it is made again under its name.
+    table_namespace: Option<String>,
     relations: HashMap<u32, Relation>,
     streaming: Option<StreamConfig>,
     stream: Option<Stream>,
@@ -267,6 +269,8 @@ struct Flag {
 struct Oid {
     #[diesel(sql_type = Nullable<BigInt>)]
     oid: Option<i64>,
+    #[diesel(sql_type = Nullable<Text>)]
+    namespace: Option<String>,
 }
 
 impl WalReader {
@@ -281,6 +285,7 @@ impl WalReader {
             slot: slot.into(),
             publication: publication.into(),
             table_oid: None,
+            table_namespace: None,
             relations: HashMap::new(),
             streaming: None,
             stream: None,

@@ -47,6 +47,8 @@ pub const PARTITION_BACKLOG_ROWS: &str = "outbox_partition_backlog_rows";
 pub const PARTITION_OLDEST_AGE: &str = "outbox_partition_oldest_unpublished_age_seconds";
 /// Counter: published rows deleted (or archived) by cleanup.
 pub const CLEANUP_DELETED: &str = "outbox_cleanup_rows_deleted_total";
+/// Counter: partitions of a rotated table emptied whole by cleanup (`TRUNCATE`).
+pub const CLEANUP_TRUNCATED: &str = "outbox_cleanup_partitions_truncated_total";
 /// Histogram: seconds a cleanup round took, for rounds that removed rows.
 pub const CLEANUP_DURATION: &str = "outbox_cleanup_duration_seconds";
 /// Gauge: 1 while the NATS connection is up.
@@ -81,6 +83,7 @@ pub fn describe() {
         DUPLICATES,
         ROWS_PARKED,
         CLEANUP_DELETED,
+        CLEANUP_TRUNCATED,
         CAPTURED_DELETED,
     ] {
         counter!(name).increment(0);
@@ -182,6 +185,11 @@ pub fn describe() {
         CLEANUP_DELETED,
         Unit::Count,
         "Published rows deleted or archived by cleanup"
+    );
+    describe_counter!(
+        CLEANUP_TRUNCATED,
+        Unit::Count,
+        "Partitions of a rotated outbox table emptied by cleanup"
     );
     describe_histogram!(
         CLEANUP_DURATION,

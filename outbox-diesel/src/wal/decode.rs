@@ -25,6 +25,15 @@ impl WalReader {
     ) -> Result<(), WalError> {
         match message {
             Message::Relation(r) => {
+                // the table made again under its name (`partition_table` copies it into a
+                // partitioned one): its rows now come under the new table's OID
+                if Some(r.oid) != self.table_oid
+                    && r.name == self.table.name()
+                    && self.table_namespace.as_deref() == Some(r.namespace.as_str())
+                {
+                    tracing::info!(table = %self.table, oid = r.oid, "the outbox table was made again; reading its rows under its new OID");
+                    self.table_oid = Some(r.oid);
+                }
                 self.relations.insert(r.oid, r);
             }
             Message::Insert { relation, tuple } => {

@@ -28,7 +28,7 @@ pub enum WalError {
     },
     /// The role may not create the publication (it must own the table).
     #[error(
-        "the relay's role may not create publication {publication}: it must own table {table} (and have CREATE on the database); create it once as the table's owner with `CREATE PUBLICATION {publication} FOR TABLE {table} WITH (publish = 'insert, update')`"
+        "the relay's role may not create publication {publication}: it must own table {table} (and have CREATE on the database); create it once as the table's owner with `CREATE PUBLICATION {publication} FOR TABLE {table} WITH (publish = 'insert, update', publish_via_partition_root = true)`"
     )]
     PublicationRight {
         /// The publication.
@@ -38,6 +38,17 @@ pub enum WalError {
         /// The refusal.
         #[source]
         source: DieselError,
+    },
+    /// The table is partitioned ([`partition_table`](crate::partition_table)) and the
+    /// publication sends its rows under the partitions' names.
+    #[error(
+        "publication {publication} sends the rows of partitioned table {table} under its partitions' names: `ALTER PUBLICATION {publication} SET (publish_via_partition_root = true)`"
+    )]
+    PublicationNotViaRoot {
+        /// The publication.
+        publication: String,
+        /// The table.
+        table: String,
     },
     /// The publication exists but does not publish the table's inserts.
     #[error(

@@ -49,16 +49,18 @@ impl WalReader {
         })?;
         conn.batch_execute("SET TimeZone = 'UTC'; SET DateStyle = 'ISO, YMD'")
             .await?;
-        let oid: Oid = diesel::sql_query(format!(
-            "SELECT to_regclass({})::oid::bigint AS oid",
+        let found: Oid = diesel::sql_query(format!(
+            "SELECT c.oid::bigint AS oid, n.nspname::text AS namespace FROM (SELECT to_regclass({})) r(t) \
+             LEFT JOIN pg_class c ON c.oid = r.t LEFT JOIN pg_namespace n ON n.oid = c.relnamespace",
             quote_literal(&self.table.quoted())
         ))
         .get_result(conn)
         .await?;
-        let oid = oid
+        let oid = found
             .oid
             .ok_or_else(|| WalError::TableMissing(self.table.to_string()))?;
         self.table_oid = Some(oid as u32);
+        self.table_namespace = found.namespace;
         self.ensure_publication(conn).await?;
         self.ensure_record(conn).await?;
         let record = self.record(conn).await?;
@@ -98,7 +100,7 @@ impl WalReader {
     pub(super) async fn ensure_record(&self, conn: &mut AsyncPgConnection) -> Result<(), WalError> {
         let t = self.record_table();
         let found: Oid = diesel::sql_query(format!(
-            "SELECT to_regclass({})::oid::bigint AS oid",
+            "SELECT to_regclass({})::oid::bigint AS oid, NULL::text AS namespace",
             quote_literal(&t)
         ))
         .get_result(conn)
@@ -117,7 +119,7 @@ impl WalReader {
             // the server's lc_messages)
             Err(e @ DieselError::DatabaseError(..)) => {
                 let now: Oid = diesel::sql_query(format!(
-                    "SELECT to_regclass({})::oid::bigint AS oid",
+                    "SELECT to_regclass({})::oid::bigint AS oid, NULL::text AS namespace",
                     quote_literal(&t)
                 ))
                 .get_result(conn)

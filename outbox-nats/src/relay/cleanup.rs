@@ -34,6 +34,25 @@ pub async fn sweep(
 ) -> QueryResult<u64> {
     let limit = batch.max(1) as i64;
     let mut total = 0u64;
+    // a rotated table: the partitions whose rows are all past the retention go whole, and
+    // rows go one by one only in the partition being filled (moving them to an archive
+    // needs them one by one)
+    let ring = match archive {
+        None => db::ring(conn, table).await?,
+        Some(_) => None,
+    };
+    let rows_in = match &ring {
+        Some(ring) => {
+            let emptied = db::truncate_expired(conn, table, ring, retention).await?;
+            if !emptied.is_empty() {
+                metrics::counter!(m::CLEANUP_TRUNCATED).increment(emptied.len() as u64);
+                let names: Vec<String> = emptied.iter().map(|p| p.to_string()).collect();
+                info!(partitions = ?names, "cleanup emptied partitions past the retention");
+            }
+            ring.current.as_ref().unwrap_or(table)
+        }
+        None => table,
+    };
     // the rows marked published, then those the ordered relay's progress covered
     let snapshot_batches = db::has_progress(conn, table).await?;
     for covered in [false, true] {
@@ -43,9 +62,9 @@ pub async fn sweep(
         while !shutdown.is_cancelled() {
             let n = match (archive, covered) {
                 (Some(a), false) => db::archive_published(conn, table, a, retention, limit).await?,
-                (None, false) => db::delete_published(conn, table, retention, limit).await?,
+                (None, false) => db::delete_published(conn, rows_in, retention, limit).await?,
                 (Some(a), true) => db::archive_read(conn, table, a, retention, limit).await?,
-                (None, true) => db::delete_read(conn, table, retention, limit).await?,
+                (None, true) => db::delete_read_in(conn, table, rows_in, retention, limit).await?,
             };
             total += n as u64;
             metrics::counter!(m::CLEANUP_DELETED).increment(n as u64);

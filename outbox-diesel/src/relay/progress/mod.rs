@@ -52,11 +52,13 @@ use super::Partition;
 mod batch;
 mod coverage;
 mod retention;
+mod rotation;
 mod statement;
 
 pub use batch::*;
 pub(crate) use coverage::Coverage;
 pub use retention::*;
+pub use rotation::*;
 
 /// Where a partition's reading stands: every row with `seq <= upto_seq` that the snapshot
 /// `snap` sees has been read, and, while a [`LatePass`] runs, the late rows it has read too.

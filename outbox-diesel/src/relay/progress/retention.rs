@@ -20,7 +20,19 @@ pub async fn delete_read(
     older_than: std::time::Duration,
     limit: i64,
 ) -> QueryResult<usize> {
-    let t = table.quoted();
+    delete_read_in(conn, table, table, older_than, limit).await
+}
+
+/// Like [`delete_read`], for the rows of `rows_in` alone: `table` itself or one of its
+/// partitions ([`Ring::current`], where a rotated table's cleanup deletes row by row).
+pub async fn delete_read_in(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    rows_in: &OutboxTable,
+    older_than: std::time::Duration,
+    limit: i64,
+) -> QueryResult<usize> {
+    let t = rows_in.quoted();
     let sql = format!(
         "WITH {} DELETE FROM {t} WHERE seq = ANY(ARRAY(SELECT o.seq FROM {t} o \
          WHERE o.published_at IS NULL AND o.parked_at IS NULL \
@@ -89,7 +101,7 @@ pub async fn archive_read(
 }
 
 /// `c`: per partition of the newest count, the last cursor recorded more than `$1` seconds ago.
-fn old_cursors_cte(table: &OutboxTable) -> String {
+pub(super) fn old_cursors_cte(table: &OutboxTable) -> String {
     let p = progress_table(table);
     format!(
         "c AS MATERIALIZED (SELECT m.n AS partitions, g.p AS partition, l.upto_seq, l.snap, \
