@@ -367,6 +367,8 @@ impl Bench {
             workers: u32,
             relays: usize,
             delete: bool,
+            /// on the table turned into a ring of partitions (`partition_table`)
+            rotated: bool,
         }
         let run = |name, mode, partitions, workers, relays, delete| Run {
             name,
@@ -375,6 +377,7 @@ impl Bench {
             workers,
             relays,
             delete,
+            rotated: false,
         };
         let runs = [
             run(
@@ -385,6 +388,17 @@ impl Bench {
                 1,
                 false,
             ),
+            Run {
+                rotated: true,
+                ..run(
+                    "ordered, 1 partition, 1 relay, rotated table (4 partitions)",
+                    ModeKind::Ordered,
+                    1,
+                    1,
+                    1,
+                    false,
+                )
+            },
             run(
                 "ordered, 1 partition, 1 relay, --delete-published",
                 ModeKind::Ordered,
@@ -456,6 +470,7 @@ impl Bench {
                 );
                 continue;
             }
+            self.rotate_outbox(r.rotated)?;
             let mut rates = Vec::new();
             let mut baselines = Vec::new();
             let mut ratios = Vec::new();
@@ -486,6 +501,36 @@ impl Bench {
                 b.own,
                 (b.nats + b.own) / (c.nats + c.own).max(f64::EPSILON)
             );
+        }
+        self.rotate_outbox(false)?;
+        Ok(())
+    }
+
+    /// Makes `outbox` a ring of four partitions (`outbox_diesel::partition_table`, blocks of
+    /// 1,000,000 rows), or a plain table again (made anew, empty).
+    fn rotate_outbox(&self, rotated: bool) -> Result<()> {
+        use diesel::RunQueryDsl;
+        let mut conn = PgConnection::establish(&self.db_url)?;
+        let table = outbox_diesel::OutboxTable::DEFAULT;
+        if rotated {
+            outbox_diesel::partition_table(&mut conn, &table, outbox_diesel::Rotation::default())?;
+            return Ok(());
+        }
+        #[derive(QueryableByName)]
+        struct Partitioned {
+            #[diesel(sql_type = diesel::sql_types::Bool)]
+            p: bool,
+        }
+        let found: Partitioned = diesel::sql_query(
+            "SELECT EXISTS (SELECT 1 FROM pg_partitioned_table \
+             WHERE partrelid = to_regclass('outbox')) AS p",
+        )
+        .get_result(&mut conn)?;
+        if found.p {
+            diesel::sql_query("DROP TABLE outbox, outbox_progress CASCADE").execute(&mut conn)?;
+            outbox_diesel::create_table(&mut conn, &table)?;
+            // the dropped table left log tailing's publication
+            diesel::sql_query("DROP PUBLICATION IF EXISTS outbox_pub").execute(&mut conn)?;
         }
         Ok(())
     }
@@ -1126,7 +1171,90 @@ impl Bench {
             };
             println!("| {by} | {took:.2?} | {delete:.1} | {total:.1} |");
         }
+        // a rotated table: the same rows in three partitions of a ring of four, each emptied
+        // with one TRUNCATE; a tenth of them as well, for a cost that does not follow the rows
+        for rows in [n, n / 10] {
+            let (took, delete, total) = self.rotated_cleanup(rows).await?;
+            println!(
+                "| the ordered relay, a rotated table (`partition_table`): {rows} rows in 3 partitions emptied | {took:.2?} | {delete:.2} ({:.1} ms in all) | {total:.2} |",
+                delete * rows as f64 / 1000.0
+            );
+        }
         Ok(())
+    }
+
+    /// `rows` rows covered by a cursor recorded an hour ago, in the first three partitions of
+    /// a ring of four (`outbox_diesel::partition_table`, blocks of a third of them), the
+    /// fourth being filled: the relay's cleanup, timed, then a `VACUUM`. Returns the time and
+    /// PostgreSQL's CPU per row removed without and with the `VACUUM`.
+    async fn rotated_cleanup(&self, rows: usize) -> Result<(Duration, f64, f64)> {
+        use diesel::RunQueryDsl;
+        let table = outbox_diesel::OutboxTable::new("bench_ring")?;
+        let block = rows.div_ceil(3).max(1000) as i64;
+        let mut conn = PgConnection::establish(&self.db_url)?;
+        diesel::sql_query("DROP TABLE IF EXISTS bench_ring, bench_ring_progress CASCADE")
+            .execute(&mut conn)?;
+        outbox_diesel::partition_table(
+            &mut conn,
+            &table,
+            outbox_diesel::Rotation::default().block_rows(block),
+        )?;
+        diesel::sql_query("SET synchronous_commit = off").execute(&mut conn)?;
+        diesel::sql_query(format!(
+            "INSERT INTO bench_ring (id, aggregate_type, aggregate_id, event_type, payload) \
+             SELECT gen_random_uuid(), 'order', 'order-' || (i % 1000), 'order.placed', \
+             jsonb_build_object('order_id', 'order-' || (i % 1000), 'customer', 'customer-' || i, 'note', repeat('x', 230)) \
+             FROM generate_series(1, {rows}) i"
+        ))
+        .execute(&mut conn)?;
+        // the next seq goes to the fourth partition, the one being filled
+        diesel::sql_query(format!(
+            "SELECT setval(pg_get_serial_sequence('bench_ring', 'seq'), {})",
+            3 * block
+        ))
+        .execute(&mut conn)?;
+        diesel::sql_query(
+            "INSERT INTO bench_ring_progress (partitions, partition, upto_seq, snap, published_at) \
+             SELECT 1, 0, max(seq), pg_current_snapshot(), now() - interval '1 hour' FROM bench_ring",
+        )
+        .execute(&mut conn)?;
+        diesel::sql_query("VACUUM ANALYZE bench_ring").execute(&mut conn)?;
+        let mut aconn = AsyncPgConnection::establish(&self.db_url).await?;
+        let before = cpu_snapshot();
+        let started = Instant::now();
+        outbox_nats::cleanup::sweep(
+            &mut aconn,
+            &table,
+            None,
+            Duration::from_secs(60),
+            5_000,
+            &CancellationToken::new(),
+        )
+        .await?;
+        let took = started.elapsed();
+        let deleting = cpu_snapshot();
+        diesel::sql_query("VACUUM bench_ring").execute(&mut conn)?;
+        let after = cpu_snapshot();
+        #[derive(QueryableByName)]
+        struct Left {
+            #[diesel(sql_type = diesel::sql_types::BigInt)]
+            n: i64,
+        }
+        let left: Left =
+            diesel::sql_query("SELECT count(*) AS n FROM bench_ring").get_result(&mut conn)?;
+        diesel::sql_query("DROP TABLE bench_ring, bench_ring_progress CASCADE")
+            .execute(&mut conn)?;
+        if left.n != 0 {
+            bail!(
+                "cleanup of the rotated table left {} rows of {rows}",
+                left.n
+            );
+        }
+        Ok((
+            took,
+            CpuUse::between(&before, &deleting, rows, &[]).postgres,
+            CpuUse::between(&before, &after, rows, &[]).postgres,
+        ))
     }
 
     /// A hot aggregate's row parked with `n` later rows of it recorded, held back the way the
