@@ -92,6 +92,10 @@ struct Args {
     /// `log-tailing` or `1 partition`).
     #[arg(long, value_delimiter = ',')]
     runs: Vec<String>,
+    /// Sections 2 to 4 on the outbox turned into a ring of four partitions
+    /// (`outbox_diesel::partition_table`, blocks of 1,000,000 rows), and every run of section 1.
+    #[arg(long)]
+    rotated: bool,
     /// Only these sections (1-6), comma-separated.
     #[arg(long, value_delimiter = ',')]
     only: Vec<u8>,
@@ -180,12 +184,16 @@ impl Bench {
     async fn run(&mut self) -> Result<()> {
         let mut conn = PgConnection::establish(&self.db_url)?;
         outbox_diesel::run_migrations(&mut conn).map_err(|e| anyhow::anyhow!("{e}"))?;
+        self.rotate_outbox(self.args.rotated)?;
         println!("# outbox benchmarks");
         println!(
             "machine: {} cores; {}",
             num_cpus(),
             server_versions(&mut conn, &self.nats)
         );
+        if self.args.rotated {
+            println!("the outbox: a ring of 4 partitions of 1,000,000-row blocks (`--rotated`)");
+        }
         if self.wants(1) {
             self.throughput().await?;
         }
@@ -470,7 +478,7 @@ impl Bench {
                 );
                 continue;
             }
-            self.rotate_outbox(r.rotated)?;
+            self.rotate_outbox(r.rotated || self.args.rotated)?;
             let mut rates = Vec::new();
             let mut baselines = Vec::new();
             let mut ratios = Vec::new();
@@ -502,7 +510,7 @@ impl Bench {
                 (b.nats + b.own) / (c.nats + c.own).max(f64::EPSILON)
             );
         }
-        self.rotate_outbox(false)?;
+        self.rotate_outbox(self.args.rotated)?;
         Ok(())
     }
 
