@@ -144,6 +144,14 @@ async fn a_table_turned_into_a_ring_keeps_its_rows_and_what_reads_them() {
         "the identity's sequence keeps its name"
     );
 
+    // the vacuum figures are the partitions'
+    let stats =
+        outbox_diesel::relay::table_stats(&mut db.async_conn().await, &OutboxTable::DEFAULT)
+            .await
+            .expect("table stats")
+            .expect("a rotated table has vacuum figures");
+    assert!(stats.total_bytes > 0, "{stats:?}");
+
     // the identity goes on after the last seq, and the relay goes on where it stood
     ids.extend(record(&db, 100, 6, "a"));
     assert_eq!(
@@ -385,4 +393,97 @@ async fn log_tailing_goes_on_through_the_conversion_and_reads_the_ring() {
     // the copy's inserts carry the ids published before: JetStream drops them
     let aggregates: Vec<String> = (0..5).map(|k| format!("w-{k}")).collect();
     assert_each_once_in_order(&stream, &ids, &aggregates).await;
+}
+
+#[tokio::test]
+async fn the_unordered_and_the_deleting_relays_publish_a_rotated_table() {
+    for (tag, args) in [
+        ("u", &["--mode", "unordered", "--workers", "4"][..]),
+        ("d", &["--delete-published"][..]),
+    ] {
+        let (db, stream) = (TestDb::new(), TestStream::new());
+        assert!(rotate(&db));
+        let mut ids = Vec::new();
+        for _ in 0..5 {
+            ids.extend(record(&db, 500, 10, tag));
+        }
+        let mut all = vec!["--retention", "0s", "--cleanup-interval", "200ms"];
+        all.extend_from_slice(args);
+        let _relay = Relay::start(relay_command(&db, &stream, &all));
+        wait_until(
+            Duration::from_secs(60),
+            "2500 events in the stream",
+            || async { stream.count().await >= 2500 },
+        )
+        .await;
+        wait_until(
+            Duration::from_secs(30),
+            "the published rows gone",
+            || async { db.scalar("SELECT count(*) FROM outbox") == 0 },
+        )
+        .await;
+        let got = stream.read_all().await;
+        let distinct: HashSet<&str> = got.iter().map(|m| m.msg_id.as_str()).collect();
+        assert_eq!(distinct.len(), 2500, "{args:?}: every event");
+        assert_eq!(got.len(), 2500, "{args:?}: once");
+        if tag == "d" {
+            let aggregates: Vec<String> = (0..10).map(|k| format!("d-{k}")).collect();
+            assert_each_once_in_order(&stream, &ids, &aggregates).await;
+        }
+    }
+}
+
+/// The plan lines of the ordered batch over `db`'s rows, at a cursor that has read nothing.
+async fn batch_plan(db: &TestDb) -> Vec<String> {
+    let mut conn = db.relay_session().await;
+    let cursor =
+        outbox_diesel::relay::Cursor::at(0, &db.strings("SELECT pg_current_snapshot()")[0]);
+    let partition = outbox_diesel::relay::Partition { index: 0, count: 1 };
+    outbox_diesel::relay::explain_batch_analyze(
+        &mut conn,
+        &OutboxTable::DEFAULT,
+        partition,
+        &cursor,
+        500,
+    )
+    .await
+    .expect("explain the batch")
+}
+
+/// The largest `loops=` of the plan's index scans: how often one ran per batch.
+fn most_loops(plan: &[String]) -> u64 {
+    plan.iter()
+        .filter(|l| l.contains("Index Scan") || l.contains("Index Only Scan"))
+        .filter_map(|l| l.split("loops=").nth(1)?.trim_end_matches(')').parse().ok())
+        .max()
+        .unwrap_or(0)
+}
+
+#[tokio::test]
+async fn a_batch_looks_for_waiting_rows_of_each_aggregate_only_while_a_row_waits() {
+    for rotated in [false, true] {
+        let db = TestDb::new();
+        if rotated {
+            assert!(rotate(&db));
+        }
+        record(&db, 600, 50, "b");
+        db.execute("VACUUM ANALYZE outbox", "vacuum");
+        let plan = batch_plan(&db).await;
+        assert!(
+            most_loops(&plan) <= 1,
+            "rotated: {rotated}; no row waits, yet a row's look-up ran per row:\n{}",
+            plan.join("\n")
+        );
+        // a parked row: the rows after it look their aggregate up, one look-up each
+        db.execute(
+            "UPDATE outbox SET parked_at = now(), last_error = 'test' WHERE seq = 1",
+            "park a row",
+        );
+        let plan = batch_plan(&db).await;
+        assert!(
+            most_loops(&plan) >= 100,
+            "rotated: {rotated}; a row waits and the rows were not looked up:\n{}",
+            plan.join("\n")
+        );
+    }
 }

@@ -157,17 +157,22 @@ pub struct TableStats {
     pub last_autoanalyze: Option<DateTime<Utc>>,
 }
 
-/// Reads the vacuum figures of `table`; `None` when the statistics have no row for it.
+/// Reads the vacuum figures of `table` (of a rotated table, its partitions' summed, and the
+/// latest of their times); `None` when the statistics have no row for it.
 pub async fn table_stats(
     conn: &mut AsyncPgConnection,
     table: &OutboxTable,
 ) -> QueryResult<Option<TableStats>> {
     use diesel::OptionalExtension;
     diesel::sql_query(
-        "SELECT n_live_tup AS live_rows, n_dead_tup AS dead_rows, \
-         pg_total_relation_size(relid) AS total_bytes, last_autovacuum, last_vacuum, \
-         autovacuum_count, last_autoanalyze \
-         FROM pg_stat_user_tables WHERE relid = to_regclass($1)",
+        "SELECT sum(n_live_tup)::int8 AS live_rows, sum(n_dead_tup)::int8 AS dead_rows, \
+         sum(pg_total_relation_size(relid))::int8 AS total_bytes, \
+         max(last_autovacuum) AS last_autovacuum, max(last_vacuum) AS last_vacuum, \
+         sum(autovacuum_count)::int8 AS autovacuum_count, \
+         max(last_autoanalyze) AS last_autoanalyze \
+         FROM pg_stat_user_tables WHERE relid = to_regclass($1) \
+         OR relid IN (SELECT inhrelid FROM pg_inherits WHERE inhparent = to_regclass($1)) \
+         HAVING count(*) > 0",
     )
     .bind::<Text, _>(table.quoted())
     .get_result(conn)

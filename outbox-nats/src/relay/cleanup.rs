@@ -7,6 +7,10 @@
 //! rows it deletes and skips rows locked by another cleaner (`FOR UPDATE SKIP LOCKED`), so
 //! every relay may run it: two cleaners share the work instead of waiting on each other, and
 //! the publish path, which never touches published rows, never waits on either.
+//!
+//! On a rotated table ([`outbox_diesel::partition_table`]) a partition whose every row is past
+//! the retention goes first, whole, by one `TRUNCATE` ([`outbox_diesel::relay::truncate_expired`]);
+//! rows go one by one only in the partition being filled.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -23,7 +27,9 @@ use crate::metrics as m;
 
 /// Deletes (or archives into `archive`) every row of `table` published more than `retention`
 /// ago, `batch` rows per statement, until none is left or `shutdown` is cancelled; returns how
-/// many it removed. Each batch counts in `outbox_cleanup_rows_deleted_total`.
+/// many it removed one by one. Each batch counts in `outbox_cleanup_rows_deleted_total`. A
+/// rotated table's partitions past the retention are emptied first, without an archive (each
+/// counts in `outbox_cleanup_partitions_truncated_total`, not in the rows returned).
 pub async fn sweep(
     conn: &mut AsyncPgConnection,
     table: &OutboxTable,
