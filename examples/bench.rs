@@ -132,6 +132,21 @@ fn event(i: usize) -> OrderPlaced {
     }
 }
 
+/// A run of section 1.
+struct Run {
+    name: &'static str,
+    mode: ModeKind,
+    partitions: u32,
+    workers: u32,
+    relays: usize,
+    delete: bool,
+    /// on the table made anew as a ring of partitions (`partition_table`) of blocks of
+    /// this many rows
+    ring: Option<i64>,
+    /// cleanup on, `--retention 0s`, and the run's CPU counted until the table is empty
+    cleanup: bool,
+}
+
 struct Bench {
     args: Args,
     db_name: String,
@@ -184,7 +199,7 @@ impl Bench {
     async fn run(&mut self) -> Result<()> {
         let mut conn = PgConnection::establish(&self.db_url)?;
         outbox_diesel::run_migrations(&mut conn).map_err(|e| anyhow::anyhow!("{e}"))?;
-        self.rotate_outbox(self.args.rotated)?;
+        self.rotate_outbox(self.args.rotated.then_some(1_000_000))?;
         println!("# outbox benchmarks");
         println!(
             "machine: {} cores; {}",
@@ -368,16 +383,6 @@ impl Bench {
             "| run | events/s | baseline events/s | ratio to baseline | CPU µs per event: PostgreSQL / nats-server / relay | baseline: nats-server / publisher | CPU ratio outside PostgreSQL |"
         );
         println!("|---|---|---|---|---|---|---|");
-        struct Run {
-            name: &'static str,
-            mode: ModeKind,
-            partitions: u32,
-            workers: u32,
-            relays: usize,
-            delete: bool,
-            /// on the table turned into a ring of partitions (`partition_table`)
-            rotated: bool,
-        }
         let run = |name, mode, partitions, workers, relays, delete| Run {
             name,
             mode,
@@ -385,7 +390,8 @@ impl Bench {
             workers,
             relays,
             delete,
-            rotated: false,
+            ring: None,
+            cleanup: false,
         };
         let runs = [
             run(
@@ -397,9 +403,33 @@ impl Bench {
                 false,
             ),
             Run {
-                rotated: true,
+                ring: Some(1_000_000),
                 ..run(
                     "ordered, 1 partition, 1 relay, rotated table (4 partitions)",
+                    ModeKind::Ordered,
+                    1,
+                    1,
+                    1,
+                    false,
+                )
+            },
+            Run {
+                cleanup: true,
+                ..run(
+                    "ordered, 1 partition, 1 relay, cleanup to the end (--retention 0s)",
+                    ModeKind::Ordered,
+                    1,
+                    1,
+                    1,
+                    false,
+                )
+            },
+            Run {
+                cleanup: true,
+                // the backlog in 3.5 blocks: three partitions go by TRUNCATE
+                ring: Some((n as i64 * 2 / 7).max(1000)),
+                ..run(
+                    "ordered, 1 partition, 1 relay, cleanup to the end (--retention 0s), rotated table (4 partitions, blocks of 2/7 of the backlog)",
                     ModeKind::Ordered,
                     1,
                     1,
@@ -478,17 +508,17 @@ impl Bench {
                 );
                 continue;
             }
-            self.rotate_outbox(r.rotated || self.args.rotated)?;
+            let ring = r.ring.or(self.args.rotated.then_some(1_000_000));
             let mut rates = Vec::new();
             let mut baselines = Vec::new();
             let mut ratios = Vec::new();
             let mut cpu = Vec::new();
             let mut base_cpu = Vec::new();
             for _ in 0..repeat {
+                // a ring made anew each time, so that the backlog starts at its first block
+                self.rotate_outbox(ring)?;
                 let (baseline, b) = self.raw_publish(n).await?;
-                let (rate, c) = self
-                    .relay_run(n, r.mode, r.partitions, r.workers, r.relays, r.delete)
-                    .await?;
+                let (rate, c) = self.relay_run(n, &r).await?;
                 rates.push(rate);
                 baselines.push(baseline);
                 ratios.push(rate / baseline);
@@ -510,20 +540,17 @@ impl Bench {
                 (b.nats + b.own) / (c.nats + c.own).max(f64::EPSILON)
             );
         }
-        self.rotate_outbox(self.args.rotated)?;
+        self.rotate_outbox(self.args.rotated.then_some(1_000_000))?;
         Ok(())
     }
 
-    /// Makes `outbox` a ring of four partitions (`outbox_diesel::partition_table`, blocks of
-    /// 1,000,000 rows), or a plain table again (made anew, empty).
-    fn rotate_outbox(&self, rotated: bool) -> Result<()> {
+    /// Makes `outbox` anew as a ring of four partitions of `ring` rows a block
+    /// (`outbox_diesel::partition_table`), or, with `None`, a plain table again (made anew,
+    /// empty, when it was a ring).
+    fn rotate_outbox(&self, ring: Option<i64>) -> Result<()> {
         use diesel::RunQueryDsl;
         let mut conn = PgConnection::establish(&self.db_url)?;
         let table = outbox_diesel::OutboxTable::DEFAULT;
-        if rotated {
-            outbox_diesel::partition_table(&mut conn, &table, outbox_diesel::Rotation::default())?;
-            return Ok(());
-        }
         #[derive(QueryableByName)]
         struct Partitioned {
             #[diesel(sql_type = diesel::sql_types::Bool)]
@@ -534,11 +561,18 @@ impl Bench {
              WHERE partrelid = to_regclass('outbox')) AS p",
         )
         .get_result(&mut conn)?;
-        if found.p {
+        if found.p || ring.is_some() {
             diesel::sql_query("DROP TABLE outbox, outbox_progress CASCADE").execute(&mut conn)?;
             outbox_diesel::create_table(&mut conn, &table)?;
             // the dropped table left log tailing's publication
             diesel::sql_query("DROP PUBLICATION IF EXISTS outbox_pub").execute(&mut conn)?;
+        }
+        if let Some(block) = ring {
+            outbox_diesel::partition_table(
+                &mut conn,
+                &table,
+                outbox_diesel::Rotation::default().block_rows(block),
+            )?;
         }
         Ok(())
     }
@@ -589,15 +623,10 @@ impl Bench {
         ))
     }
 
-    async fn relay_run(
-        &mut self,
-        n: usize,
-        mode: ModeKind,
-        partitions: u32,
-        workers: u32,
-        relays: usize,
-        delete_published: bool,
-    ) -> Result<(f64, CpuUse)> {
+    async fn relay_run(&mut self, n: usize, run: &Run) -> Result<(f64, CpuUse)> {
+        let (mode, partitions, workers, relays) =
+            (run.mode, run.partitions, run.workers, run.relays);
+        let (delete_published, cleanup) = (run.delete, run.cleanup);
         self.reset_outbox()?;
         let tailing = mode == ModeKind::LogTailing;
         let slot = format!("{}_slot", self.db_name);
@@ -628,6 +657,9 @@ impl Bench {
         if delete_published {
             args.push("--delete-published".to_owned());
         }
+        if cleanup {
+            args.extend(["--retention", "0s", "--cleanup-interval", "1s"].map(String::from));
+        }
         if tailing {
             args.extend(["--slot".to_owned(), slot.clone()]);
         }
@@ -646,6 +678,16 @@ impl Bench {
             }
         }
         let rate = n as f64 / start.elapsed().as_secs_f64();
+        if cleanup {
+            // the cleanup of what was published counts in the run's CPU
+            let drained = Instant::now();
+            while self.rows_left()? > 0 {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                if drained.elapsed() > Duration::from_secs(120) {
+                    bail!("cleanup did not empty the outbox in 2 minutes");
+                }
+            }
+        }
         // before the relays exit and take their figures (and their backends') with them
         let pids: Vec<u32> = children.iter().map(RelayProcess::id).collect();
         let cpu = CpuUse::between(&cpu_before, &cpu_snapshot(), n, &pids);
@@ -654,6 +696,20 @@ impl Bench {
             self.drop_slot(&slot)?;
         }
         Ok((rate, cpu))
+    }
+
+    /// Rows in the outbox.
+    fn rows_left(&self) -> Result<i64> {
+        use diesel::RunQueryDsl;
+        #[derive(QueryableByName)]
+        struct Left {
+            #[diesel(sql_type = diesel::sql_types::BigInt)]
+            n: i64,
+        }
+        let mut conn = PgConnection::establish(&self.db_url)?;
+        Ok(diesel::sql_query("SELECT count(*) AS n FROM outbox")
+            .get_result::<Left>(&mut conn)?
+            .n)
     }
 
     /// Section 2.

@@ -24,7 +24,7 @@ pub async fn delete_read(
 }
 
 /// Like [`delete_read`], for the rows of `rows_in` alone: `table` itself or one of its
-/// partitions ([`Ring::current`], where a rotated table's cleanup deletes row by row).
+/// partitions ([`Ring::current`](crate::relay::Ring::current), where a rotated table's cleanup deletes row by row).
 pub async fn delete_read_in(
     conn: &mut AsyncPgConnection,
     table: &OutboxTable,
