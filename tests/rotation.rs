@@ -487,3 +487,61 @@ async fn a_batch_looks_for_waiting_rows_of_each_aggregate_only_while_a_row_waits
         );
     }
 }
+
+#[tokio::test]
+async fn a_relay_with_the_readme_grants_empties_the_partitions_of_a_table_rotated_after() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let role = format!("{}_relay", db.name);
+    for sql in [
+        format!("CREATE ROLE {role} LOGIN"),
+        format!("GRANT USAGE ON SCHEMA public TO {role}"),
+        format!("GRANT SELECT, UPDATE, DELETE ON outbox TO {role}"),
+        format!("GRANT SELECT, INSERT, DELETE ON outbox_progress TO {role}"),
+    ] {
+        db.execute(&sql, "the relay's role");
+    }
+    assert!(rotate(&db));
+    for _ in 0..7 {
+        record(&db, 500, 8, "g");
+    }
+    let base = support::pg_base();
+    let host = base.rsplit('@').next().unwrap_or("127.0.0.1:5432");
+    let url = format!("postgres://{role}@{host}/{}", db.name);
+    let mut cmd = relay_command(
+        &db,
+        &stream,
+        &["--retention", "0s", "--cleanup-interval", "200ms"],
+    );
+    cmd.env("DATABASE_URL", &url);
+    let relay = Relay::start(cmd);
+    wait_until(
+        Duration::from_secs(60),
+        "3500 events in the stream",
+        || async { stream.count().await == 3500 },
+    )
+    .await;
+    let started = std::time::Instant::now();
+    while db.scalar("SELECT count(*) FROM outbox") > 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the outbox not emptied: {:?} rows per partition; logs:\n{}",
+            rows_per_partition(&db),
+            relay.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let logs = relay.logs();
+    drop(relay);
+    wait_stats_flushed().await;
+    assert_eq!(
+        deleted_per_partition(&db),
+        vec![0, 0, 0, 501],
+        "the role emptied the full partitions by TRUNCATE; logs:\n{logs}"
+    );
+    db.execute(
+        &format!("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"),
+        "end the role's sessions",
+    );
+    db.execute(&format!("DROP OWNED BY {role}"), "drop the role's grants");
+    db.execute(&format!("DROP ROLE {role}"), "drop the role");
+}

@@ -105,7 +105,10 @@ struct Flag {
 /// id, so relays go on where they stood; the identity goes on after the last `seq`. Indexes
 /// (the ones you added too), grants, storage settings, the `<name>_audit` view and the
 /// publications that list the table are made again on the new one (publications then publish
-/// through the parent, `publish_via_partition_root`). It runs in one transaction under an
+/// through the parent, `publish_via_partition_root`). The table's grants apply to each
+/// partition too, and a role that may `DELETE` from the table (the relay's, for cleanup) may
+/// `TRUNCATE` the partitions; for a role granted later, grant both on `<name>_r0` …
+/// `<name>_r{N-1}` as well. It runs in one transaction under an
 /// `ACCESS EXCLUSIVE` lock, so writers and relays wait for the copy: convert while the table
 /// holds few rows (right after creating it, or with relays stopped after cleanup). With log
 /// tailing, the copy is decoded as new inserts, so the rows present are published again
@@ -162,15 +165,15 @@ pub fn partition_table(
                  ORDER BY i.indexrelid"
             ),
         )?;
+        // each grant as `PRIVILEGE grantee`
         let grants = lines(
             conn,
             format!(
-                "SELECT format('GRANT %s ON TABLE {} TO %s', a.privilege_type, \
-                 CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(r.rolname) END) AS line \
+                "SELECT a.privilege_type || ' ' || \
+                 CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(r.rolname) END AS line \
                  FROM pg_class c CROSS JOIN aclexplode(c.relacl) a \
                  LEFT JOIN pg_roles r ON r.oid = a.grantee \
-                 WHERE c.oid = {rel}::regclass AND a.grantee <> c.relowner",
-                t.replace('%', "%%")
+                 WHERE c.oid = {rel}::regclass AND a.grantee <> c.relowner"
             ),
         )?;
         let storage = lines(
@@ -238,7 +241,22 @@ pub fn partition_table(
             quote_ident(table.name())
         ));
         ddl.extend(indexes);
-        ddl.extend(grants);
+        // the table's grants on the table and on each partition (cleanup deletes from the one
+        // being filled), and a role that may delete rows may empty a partition
+        let partitions: Vec<String> = (0..n).map(|k| table.sibling(&format!("r{k}"))).collect();
+        for grant in &grants {
+            let Some((privilege, grantee)) = grant.split_once(' ') else {
+                continue;
+            };
+            for relation in std::iter::once(&t).chain(&partitions) {
+                ddl.push(format!("GRANT {privilege} ON TABLE {relation} TO {grantee}"));
+            }
+            if privilege == "DELETE" {
+                for part in &partitions {
+                    ddl.push(format!("GRANT TRUNCATE ON TABLE {part} TO {grantee}"));
+                }
+            }
+        }
         if crate::schema::has_progress_table(conn, table)? {
             ddl.push(crate::schema::audit_view_sql(table));
         }

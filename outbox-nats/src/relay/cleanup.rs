@@ -48,6 +48,10 @@ pub async fn sweep(
         Some(_) => None,
     };
     let rows_in = match &ring {
+        Some(ring) if !ring.may_truncate => {
+            warn!(table = %table, "cleanup may not empty the partitions of the rotated table and deletes row by row: GRANT TRUNCATE, DELETE, SELECT on each partition to the relay's role");
+            table
+        }
         Some(ring) => {
             let emptied = db::truncate_expired(conn, table, ring, retention).await?;
             if !emptied.is_empty() {

@@ -16,12 +16,17 @@ use super::retention::old_cursors_cte;
 pub struct Ring {
     /// Every partition, by name.
     pub partitions: Vec<OutboxTable>,
-    /// The partition being filled: the one the identity's last `seq` went to (`None` when
-    /// no `seq` was taken yet, or the partition key is not [`partition_table`]'s
+    /// The partition being filled: the one the identity's last `seq` went to (the highest
+    /// `seq` in the table or read by a cursor, for a role that may not read the sequence;
+    /// `None` when no `seq` was taken yet, or the partition key is not [`partition_table`]'s
     /// `(seq / R) % N`). Cleanup deletes row by row there only.
     ///
     /// [`partition_table`]: crate::partition_table
     pub current: Option<OutboxTable>,
+    /// Whether this session's role may empty every partition (`TRUNCATE` and `DELETE` on
+    /// each, which [`partition_table`](crate::partition_table) grants to the roles that may
+    /// delete from the table). Without, cleanup deletes row by row through the table.
+    pub may_truncate: bool,
 }
 
 #[derive(QueryableByName)]
@@ -32,24 +37,38 @@ struct PartitionName {
     name: String,
     #[diesel(sql_type = Nullable<BigInt>)]
     current: Option<i64>,
+    #[diesel(sql_type = diesel::sql_types::Bool)]
+    may_truncate: bool,
 }
 
 /// The partitions of `table` when it is partitioned ([`partition_table`](crate::partition_table)),
 /// `None` when it is a plain table.
 pub async fn ring(conn: &mut AsyncPgConnection, table: &OutboxTable) -> QueryResult<Option<Ring>> {
     let t = table.quoted();
-    let found: Vec<PartitionName> = diesel::sql_query(
-        "WITH k AS (SELECT substring(d FROM 'seq / ([0-9]+)')::int8 AS r, \
+    // the last seq taken: the identity's (when this role may read its sequence), or else the
+    // highest seq in the table or read by a cursor (the newest row may be deleted already)
+    let read = if super::has_progress(conn, table).await? {
+        format!(", (SELECT max(upto_seq) FROM {})", table.progress_table())
+    } else {
+        String::new()
+    };
+    let found: Vec<PartitionName> = diesel::sql_query(format!(
+        "WITH s AS (SELECT pg_get_serial_sequence($1, 'seq') AS s), \
+         k AS (SELECT substring(d FROM 'seq / ([0-9]+)')::int8 AS r, \
          substring(d FROM '% \\(?([0-9]+)')::int8 AS n, \
-         pg_sequence_last_value(pg_get_serial_sequence($1, 'seq')) AS last \
+         GREATEST(CASE WHEN has_sequence_privilege((SELECT s FROM s), 'SELECT') \
+         THEN pg_sequence_last_value((SELECT s FROM s)) END, \
+         (SELECT max(seq) FROM {t}){read}) AS last \
          FROM pg_get_partkeydef($1::regclass) d) \
          SELECT n.nspname::text AS schema, c.relname::text AS name, \
          CASE WHEN pg_get_expr(c.relpartbound, c.oid) = \
-         (SELECT format('FOR VALUES IN (''%s'')', (last / r) % k.n) FROM k) THEN 1 END::int8 AS current \
+         (SELECT format('FOR VALUES IN (''%s'')', (last / r) % k.n) FROM k) THEN 1 END::int8 AS current, \
+         has_table_privilege(c.oid, 'TRUNCATE') AND has_table_privilege(c.oid, 'DELETE') \
+         AND has_table_privilege(c.oid, 'SELECT') AS may_truncate \
          FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
          JOIN pg_namespace n ON n.oid = c.relnamespace \
          WHERE i.inhparent = $1::regclass ORDER BY c.relname"
-    )
+    ))
     .bind::<Text, _>(&t)
     .load(conn)
     .await?;
@@ -59,6 +78,7 @@ pub async fn ring(conn: &mut AsyncPgConnection, table: &OutboxTable) -> QueryRes
     let mut ring = Ring {
         partitions: Vec::with_capacity(found.len()),
         current: None,
+        may_truncate: found.iter().all(|p| p.may_truncate),
     };
     for p in found {
         let Ok(part) = OutboxTable::with_schema(p.schema, p.name) else {
