@@ -185,6 +185,20 @@ fn a_rotation_too_small_is_refused_with_its_reason() {
     )
     .expect_err("one partition is no ring");
     assert!(err.to_string().contains("at least 2 partitions"), "{err}");
+    // a trigger of the user's would be lost by the copy: refused, the table as it was
+    db.execute(
+        "CREATE FUNCTION audit_outbox() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN RETURN NEW; END $$",
+        "a trigger function",
+    );
+    db.execute(
+        "CREATE TRIGGER outbox_audit_trigger BEFORE INSERT ON outbox \
+         FOR EACH ROW EXECUTE FUNCTION audit_outbox()",
+        "a trigger",
+    );
+    let err = partition_table(&mut db.conn(), &OutboxTable::DEFAULT, Rotation::default())
+        .expect_err("a trigger is refused");
+    assert!(err.to_string().contains("triggers"), "{err}");
     assert_eq!(
         db.scalar("SELECT count(*) FROM pg_partitioned_table"),
         0,

@@ -113,8 +113,8 @@ struct Flag {
 /// holds few rows (right after creating it, or with relays stopped after cleanup). With log
 /// tailing, the copy is decoded as new inserts, so the rows present are published again
 /// under their ids: JetStream drops those within its duplicate window, consumers' inbox the
-/// rest. A view of your own on the table makes it fail (`DROP TABLE` would drop it): drop
-/// it first and make it again after.
+/// rest. A view of your own on the table, a trigger or a row security policy makes it fail
+/// (the copy would lose them): drop them first and make them again after.
 ///
 /// ```no_run
 /// use diesel::prelude::*;
@@ -147,6 +147,23 @@ pub fn partition_table(
             return Ok(false);
         }
         diesel::sql_query(format!("LOCK TABLE {t} IN ACCESS EXCLUSIVE MODE")).execute(conn)?;
+        // what the copy would not carry over: refused rather than lost
+        let kept: Flag = diesel::sql_query(format!(
+            "SELECT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = {rel}::regclass \
+             AND NOT tgisinternal) OR EXISTS (SELECT 1 FROM pg_policy \
+             WHERE polrelid = {rel}::regclass) AS flag"
+        ))
+        .get_result(conn)?;
+        if kept.flag {
+            return Err(diesel::result::Error::QueryBuilderError(
+                format!(
+                    "{t} has triggers or row security policies of its own, which the \
+                     partitioned copy would not have: drop them, partition the table, and \
+                     make them again on it"
+                )
+                .into(),
+            ));
+        }
         let lines = |conn: &mut PgConnection, sql: String| -> QueryResult<Vec<String>> {
             Ok(diesel::sql_query(sql)
                 .load::<Line>(conn)?
