@@ -1206,28 +1206,11 @@ impl Bench {
                 diesel::sql_query("UPDATE outbox SET published_at = now() - interval '1 hour'")
                     .execute(&mut conn)?;
             }
-            diesel::sql_query("VACUUM ANALYZE outbox").execute(&mut conn)?;
-            let mut aconn = AsyncPgConnection::establish(&self.db_url).await?;
-            let before = cpu_snapshot();
-            let started = Instant::now();
-            let deleted = outbox_nats::cleanup::sweep(
-                &mut aconn,
-                &outbox_diesel::OutboxTable::DEFAULT,
-                None,
-                Duration::from_secs(60),
-                5_000,
-                &CancellationToken::new(),
-            )
-            .await?;
-            let took = started.elapsed();
-            let deleting = cpu_snapshot();
-            diesel::sql_query("VACUUM outbox").execute(&mut conn)?;
-            let after = cpu_snapshot();
+            let table = outbox_diesel::OutboxTable::DEFAULT;
+            let (deleted, took, delete, total) = self.measured_sweep(&mut conn, &table, n).await?;
             if deleted as usize != n {
                 bail!("cleanup removed {deleted} rows of {n}");
             }
-            let delete = CpuUse::between(&before, &deleting, n, &[]).postgres;
-            let total = CpuUse::between(&before, &after, n, &[]).postgres;
             let by = if covered {
                 "the ordered relay (a cursor covered them)"
             } else {
@@ -1282,23 +1265,7 @@ impl Bench {
              SELECT 1, 0, max(seq), pg_current_snapshot(), now() - interval '1 hour' FROM bench_ring",
         )
         .execute(&mut conn)?;
-        diesel::sql_query("VACUUM ANALYZE bench_ring").execute(&mut conn)?;
-        let mut aconn = AsyncPgConnection::establish(&self.db_url).await?;
-        let before = cpu_snapshot();
-        let started = Instant::now();
-        outbox_nats::cleanup::sweep(
-            &mut aconn,
-            &table,
-            None,
-            Duration::from_secs(60),
-            5_000,
-            &CancellationToken::new(),
-        )
-        .await?;
-        let took = started.elapsed();
-        let deleting = cpu_snapshot();
-        diesel::sql_query("VACUUM bench_ring").execute(&mut conn)?;
-        let after = cpu_snapshot();
+        let (_, took, delete, total) = self.measured_sweep(&mut conn, &table, rows).await?;
         #[derive(QueryableByName)]
         struct Left {
             #[diesel(sql_type = diesel::sql_types::BigInt)]
@@ -1314,7 +1281,39 @@ impl Bench {
                 left.n
             );
         }
+        Ok((took, delete, total))
+    }
+
+    /// `VACUUM ANALYZE` of `table`, then the relay's cleanup of it (retention 60 s, batches
+    /// of 5,000) and a `VACUUM`: the rows it deleted one by one, its time, and PostgreSQL's
+    /// CPU per row of `rows` without and with the `VACUUM`.
+    async fn measured_sweep(
+        &self,
+        conn: &mut PgConnection,
+        table: &outbox_diesel::OutboxTable,
+        rows: usize,
+    ) -> Result<(u64, Duration, f64, f64)> {
+        use diesel::RunQueryDsl;
+        let t = table.quoted();
+        diesel::sql_query(format!("VACUUM ANALYZE {t}")).execute(conn)?;
+        let mut aconn = AsyncPgConnection::establish(&self.db_url).await?;
+        let before = cpu_snapshot();
+        let started = Instant::now();
+        let deleted = outbox_nats::cleanup::sweep(
+            &mut aconn,
+            table,
+            None,
+            Duration::from_secs(60),
+            5_000,
+            &CancellationToken::new(),
+        )
+        .await?;
+        let took = started.elapsed();
+        let deleting = cpu_snapshot();
+        diesel::sql_query(format!("VACUUM {t}")).execute(conn)?;
+        let after = cpu_snapshot();
         Ok((
+            deleted,
             took,
             CpuUse::between(&before, &deleting, rows, &[]).postgres,
             CpuUse::between(&before, &after, rows, &[]).postgres,

@@ -31,6 +31,16 @@ fn record(db: &TestDb, n: usize, aggregates: usize, tag: &str) -> Vec<String> {
         .collect()
 }
 
+/// Waits until `stream` holds `n` messages (or more: the test then finds them too many).
+async fn wait_events(stream: &TestStream, n: u64) {
+    wait_until(
+        Duration::from_secs(60),
+        &format!("{n} events in the stream"),
+        || async { stream.count().await >= n },
+    )
+    .await;
+}
+
 fn rotate(db: &TestDb) -> bool {
     partition_table(
         &mut db.conn(),
@@ -49,7 +59,13 @@ fn rows_per_partition(db: &TestDb) -> Vec<i64> {
 
 /// Every message of the stream once, and per aggregate in the order of `ids` (recorded in
 /// that order).
-async fn assert_each_once_in_order(stream: &TestStream, ids: &[String], aggregates: &[String]) {
+async fn assert_each_once_in_order(
+    stream: &TestStream,
+    ids: &[String],
+    tag: &str,
+    aggregates: usize,
+) {
+    let aggregates: Vec<String> = (0..aggregates).map(|k| format!("{tag}-{k}")).collect();
     let got = stream.read_all().await;
     let distinct: HashSet<&str> = got.iter().map(|m| m.msg_id.as_str()).collect();
     assert_eq!(distinct.len(), ids.len(), "every event is in the stream");
@@ -86,12 +102,7 @@ async fn a_table_turned_into_a_ring_keeps_its_rows_and_what_reads_them() {
     // published rows, then rows not published yet, both in the plain table
     let mut ids = record(&db, 300, 6, "a");
     let mut relay = Relay::start(relay_command(&db, &stream, &["--no-cleanup"]));
-    wait_until(
-        Duration::from_secs(60),
-        "300 events in the stream",
-        || async { stream.count().await == 300 },
-    )
-    .await;
+    wait_events(&stream, 300).await;
     relay.proc.kill();
     ids.extend(record(&db, 900, 6, "a"));
     let last_seq = db.scalar("SELECT max(seq) FROM outbox");
@@ -161,16 +172,10 @@ async fn a_table_turned_into_a_ring_keeps_its_rows_and_what_reads_them() {
         100
     );
     let _relay = Relay::start(relay_command(&db, &stream, &["--no-cleanup"]));
-    wait_until(
-        Duration::from_secs(60),
-        "1300 events in the stream",
-        || async { stream.count().await >= 1300 },
-    )
-    .await;
+    wait_events(&stream, 1300).await;
     // no more than that arrives
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let aggregates: Vec<String> = (0..6).map(|k| format!("a-{k}")).collect();
-    assert_each_once_in_order(&stream, &ids, &aggregates).await;
+    assert_each_once_in_order(&stream, &ids, "a", 6).await;
     db.execute(&format!("DROP OWNED BY {role}"), "drop the role's grants");
     db.execute(&format!("DROP ROLE {role}"), "drop the role");
 }
@@ -249,12 +254,7 @@ async fn cleanup_empties_a_partition_past_the_retention_with_one_truncate() {
     }
     assert_eq!(rows_per_partition(&db), vec![999, 1000, 1000, 501]);
     let relay = Relay::start(relay_command(&db, &stream, &["--no-cleanup"]));
-    wait_until(
-        Duration::from_secs(60),
-        "3500 events in the stream",
-        || async { stream.count().await == 3500 },
-    )
-    .await;
+    wait_events(&stream, 3500).await;
     // a relay records its cursor after the acks: wait until every row is covered
     wait_until(Duration::from_secs(30), "every row covered", || async {
         db.scalar("SELECT count(*) FROM outbox_audit WHERE published_at IS NULL") == 0
@@ -274,8 +274,7 @@ async fn cleanup_empties_a_partition_past_the_retention_with_one_truncate() {
         vec![0, 0, 0, 501],
         "the partitions not being filled went whole, by TRUNCATE"
     );
-    let aggregates: Vec<String> = (0..8).map(|k| format!("c-{k}")).collect();
-    assert_each_once_in_order(&stream, &ids, &aggregates).await;
+    assert_each_once_in_order(&stream, &ids, "c", 8).await;
 }
 
 #[tokio::test]
@@ -300,12 +299,7 @@ async fn a_partition_keeps_its_rows_while_one_is_unpublished_parked_or_still_wri
     record(&db, 998, 4, "k");
     record(&db, 2002, 4, "k");
     let mut relay = Relay::start(relay_command(&db, &stream, &["--no-cleanup"]));
-    wait_until(
-        Duration::from_secs(60),
-        "3000 events in the stream",
-        || async { stream.count().await == 3000 },
-    )
-    .await;
+    wait_events(&stream, 3000).await;
     wait_until(
         Duration::from_secs(30),
         "the committed rows covered",
@@ -380,12 +374,7 @@ async fn log_tailing_goes_on_through_the_conversion_and_reads_the_ring() {
     )
     .await;
     let mut ids = record(&db, 50, 5, "w");
-    wait_until(
-        Duration::from_secs(60),
-        "50 events in the stream",
-        || async { stream.count().await == 50 },
-    )
-    .await;
+    wait_events(&stream, 50).await;
 
     // the table is made again under the reader: its new rows come under a new OID
     assert!(rotate(&db));
@@ -397,16 +386,10 @@ async fn log_tailing_goes_on_through_the_conversion_and_reads_the_ring() {
     for _ in 0..3 {
         ids.extend(record(&db, 500, 5, "w"));
     }
-    wait_until(
-        Duration::from_secs(60),
-        "1550 events in the stream",
-        || async { stream.count().await >= 1550 },
-    )
-    .await;
+    wait_events(&stream, 1550).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     // the copy's inserts carry the ids published before: JetStream drops them
-    let aggregates: Vec<String> = (0..5).map(|k| format!("w-{k}")).collect();
-    assert_each_once_in_order(&stream, &ids, &aggregates).await;
+    assert_each_once_in_order(&stream, &ids, "w", 5).await;
 }
 
 #[tokio::test]
@@ -424,12 +407,7 @@ async fn the_unordered_and_the_deleting_relays_publish_a_rotated_table() {
         let mut all = vec!["--retention", "0s", "--cleanup-interval", "200ms"];
         all.extend_from_slice(args);
         let _relay = Relay::start(relay_command(&db, &stream, &all));
-        wait_until(
-            Duration::from_secs(60),
-            "2500 events in the stream",
-            || async { stream.count().await >= 2500 },
-        )
-        .await;
+        wait_events(&stream, 2500).await;
         wait_until(
             Duration::from_secs(30),
             "the published rows gone",
@@ -441,8 +419,7 @@ async fn the_unordered_and_the_deleting_relays_publish_a_rotated_table() {
         assert_eq!(distinct.len(), 2500, "{args:?}: every event");
         assert_eq!(got.len(), 2500, "{args:?}: once");
         if tag == "d" {
-            let aggregates: Vec<String> = (0..10).map(|k| format!("d-{k}")).collect();
-            assert_each_once_in_order(&stream, &ids, &aggregates).await;
+            assert_each_once_in_order(&stream, &ids, "d", 10).await;
         }
     }
 }
@@ -528,12 +505,7 @@ async fn a_relay_with_the_readme_grants_empties_the_partitions_of_a_table_rotate
     );
     cmd.env("DATABASE_URL", &url);
     let relay = Relay::start(cmd);
-    wait_until(
-        Duration::from_secs(60),
-        "3500 events in the stream",
-        || async { stream.count().await == 3500 },
-    )
-    .await;
+    wait_events(&stream, 3500).await;
     let started = std::time::Instant::now();
     while db.scalar("SELECT count(*) FROM outbox") > 0 {
         assert!(
