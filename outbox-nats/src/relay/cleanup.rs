@@ -64,7 +64,10 @@ pub async fn sweep(
         None => table,
     };
     // the rows marked published, then those the ordered relay's progress covered
-    let snapshot_batches = db::has_progress(conn, table).await?;
+    let snapshot_batches = match &ring {
+        Some(ring) => ring.cursors,
+        None => db::has_progress(conn, table).await?,
+    };
     for covered in [false, true] {
         if covered && !snapshot_batches {
             break;

@@ -27,6 +27,10 @@ pub struct Ring {
     /// each, which [`partition_table`](crate::partition_table) grants to the roles that may
     /// delete from the table). Without, cleanup deletes row by row through the table.
     pub may_truncate: bool,
+    /// Whether the table has what an ordered relay's cursors need
+    /// ([`has_progress`](super::has_progress)): its rows not marked go when a cursor covers
+    /// them.
+    pub cursors: bool,
 }
 
 #[derive(QueryableByName)]
@@ -47,7 +51,8 @@ pub async fn ring(conn: &mut AsyncPgConnection, table: &OutboxTable) -> QueryRes
     let t = table.quoted();
     // the last seq taken: the identity's (when this role may read its sequence), or else the
     // highest seq in the table or read by a cursor (the newest row may be deleted already)
-    let read = if super::has_progress(conn, table).await? {
+    let cursors = super::has_progress(conn, table).await?;
+    let read = if cursors {
         format!(", (SELECT max(upto_seq) FROM {})", table.progress_table())
     } else {
         String::new()
@@ -79,6 +84,7 @@ pub async fn ring(conn: &mut AsyncPgConnection, table: &OutboxTable) -> QueryRes
         partitions: Vec::with_capacity(found.len()),
         current: None,
         may_truncate: found.iter().all(|p| p.may_truncate),
+        cursors,
     };
     for p in found {
         let Ok(part) = OutboxTable::with_schema(p.schema, p.name) else {
@@ -143,7 +149,7 @@ pub async fn truncate_expired(
     ring: &Ring,
     older_than: std::time::Duration,
 ) -> QueryResult<Vec<OutboxTable>> {
-    let cursors = super::has_progress(conn, table).await?;
+    let cursors = ring.cursors;
     let mut emptied = Vec::new();
     for part in &ring.partitions {
         if ring.current.as_ref() == Some(part) {
