@@ -532,12 +532,32 @@ pub async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
         .flatten()
 }
 
-/// A free TCP port on 127.0.0.1.
+/// A free TCP port on 127.0.0.1, for a server a test starts.
+///
+/// Taken below Linux's ephemeral range (32768–60999), from which the OS picks the local port
+/// of every outgoing connection: a port asked of the OS (`bind` to port 0) comes from that
+/// range, and between the test freeing it and the server binding it, a client connection of
+/// another test (to PostgreSQL, to NATS) could take it as its own, so the server would not
+/// start. Ports are handed out in turn from a start that differs per process, each checked
+/// free by binding it.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const LOW: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let _ = NEXT.compare_exchange(
+        u32::MAX,
+        (std::process::id().wrapping_mul(7919)) % SPAN,
+        Ordering::SeqCst,
+        Ordering::SeqCst,
+    );
+    for _ in 0..SPAN {
+        let port = (LOW + NEXT.fetch_add(1, Ordering::SeqCst) % SPAN) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in {LOW}..{}", LOW + SPAN)
 }
 
 /// The partition owners of the outbox in `db`: (partition, backend pid), from the relays'

@@ -496,6 +496,7 @@ impl NatsCluster {
             .join(",");
         let node = &self.nodes[i];
         let store = self.dir.join(&node.name);
+        let log = self.dir.join(format!("{}.log", node.name));
         let proc = Proc::spawn(
             "nats-server",
             Command::new(nats_server_bin())
@@ -510,17 +511,28 @@ impl NatsCluster {
                     "-sd",
                 ])
                 .arg(&store)
+                .arg("-l")
+                .arg(&log)
                 .stdout(Stdio::null())
                 .stderr(Stdio::null()),
         );
         self.nodes[i].proc = Some(proc);
         let start = Instant::now();
         while std::net::TcpStream::connect(("127.0.0.1", self.nodes[i].port)).is_err() {
-            assert!(
-                start.elapsed() < Duration::from_secs(10),
-                "nats-server {} did not start",
-                self.nodes[i].name
-            );
+            let exited = self.nodes[i]
+                .proc
+                .as_mut()
+                .and_then(|p| p.child.try_wait().ok().flatten());
+            if exited.is_some() || start.elapsed() > Duration::from_secs(10) {
+                let text = std::fs::read_to_string(&log).unwrap_or_default();
+                let tail: Vec<&str> = text.lines().rev().take(15).collect();
+                panic!(
+                    "nats-server {} did not start on port {} (exit: {exited:?}); its log ends:\n{}",
+                    self.nodes[i].name,
+                    self.nodes[i].port,
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                );
+            }
             std::thread::sleep(Duration::from_millis(20));
         }
     }
