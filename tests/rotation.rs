@@ -211,6 +211,47 @@ fn a_rotation_too_small_is_refused_with_its_reason() {
     );
 }
 
+/// `outbox-relay rotate` with `args`: its exit code, stdout and stderr.
+fn rotate_command(db: &TestDb, args: &[&str]) -> (Option<i32>, String, String) {
+    let out = Command::new(relay_bin())
+        .env_clear()
+        .env("DATABASE_URL", &db.url)
+        .arg("rotate")
+        .args(args)
+        .output()
+        .expect("run outbox-relay rotate");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test]
+async fn outbox_relay_rotate_turns_the_table_into_a_ring_once_and_refuses_a_bad_size() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let ids = record(&db, 1500, 10, "cli");
+    // a ring too small: refused with the reason, nothing changed
+    let (code, _, err) = rotate_command(&db, &["--partitions", "1"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("at least 2 partitions"), "{err}");
+    assert_eq!(db.scalar("SELECT count(*) FROM pg_partitioned_table"), 0);
+
+    let (code, out, err) = rotate_command(&db, &["--block-rows", "1000"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("outbox_r0 to outbox_r3"), "{out}");
+    assert_eq!(rows_per_partition(&db), vec![999, 501, 0, 0]);
+    // a second run leaves the ring as it is, and says so
+    let (code, out, err) = rotate_command(&db, &["--block-rows", "5000"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("already"), "{out}");
+    assert_eq!(rows_per_partition(&db), vec![999, 501, 0, 0]);
+
+    let _relay = Proc::spawn("outbox-relay", &mut relay_command(&db, &stream, &[]));
+    wait_events(&stream, 1500).await;
+    assert_each_once_in_order(&stream, &ids, "cli", 10).await;
+}
+
 /// `outbox-relay cleanup --retention 0s` once; panics when it fails.
 fn cleanup_once(db: &TestDb) {
     let out = Command::new(relay_bin())

@@ -2,7 +2,8 @@
 //!
 //! `outbox-relay run` relays until SIGTERM/SIGINT (a second signal aborts);
 //! `outbox-relay status` prints the backlog from the database alone;
-//! `outbox-relay cleanup` deletes published rows once.
+//! `outbox-relay cleanup` deletes published rows once;
+//! `outbox-relay rotate` turns the outbox table into a ring of partitions.
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -44,6 +45,26 @@ enum Command {
     /// Delete published rows older than --retention once, in batches, and print how many
     /// (the relay does the same on a schedule).
     Cleanup(CleanupCmdArgs),
+    /// Turn the outbox table into a ring of partitions, which cleanup empties with one
+    /// TRUNCATE each instead of deleting row by row (README, "Rotation"); a table turned
+    /// already is left as it is. It copies the table's rows under an exclusive lock:
+    /// writers and relays wait for it.
+    Rotate(RotateArgs),
+}
+
+#[derive(Debug, Args)]
+struct RotateArgs {
+    #[command(flatten)]
+    db: DbArgs,
+    /// How many partitions the ring has (at least 2). Each one more costs every statement
+    /// that reads the table one more index probe.
+    #[arg(long, env = "OUTBOX_RING_PARTITIONS", default_value_t = 4)]
+    partitions: u16,
+    /// How many consecutive `seq`s a partition's block holds (at least 1000). Make a block
+    /// take longer to fill than --retention lasts, or cleanup deletes row by row in the
+    /// partition being filled.
+    #[arg(long, env = "OUTBOX_RING_BLOCK_ROWS", default_value_t = 1_000_000)]
+    block_rows: i64,
 }
 
 #[derive(Debug, Args)]
@@ -154,6 +175,7 @@ fn main() -> ExitCode {
         Command::Parked(args) => runtime.block_on(parked(args)),
         Command::Retry(args) => runtime.block_on(retry(args)),
         Command::Cleanup(args) => runtime.block_on(cleanup(args)),
+        Command::Rotate(args) => runtime.block_on(rotate(args)),
     }
 }
 
@@ -466,5 +488,50 @@ async fn cleanup(args: CleanupCmdArgs) -> ExitCode {
             "cleanup",
             format!("cannot delete from {}: {e}", args.db.table),
         ),
+    }
+}
+
+/// `outbox-relay rotate`: [`outbox_diesel::partition_table`], over a blocking connection of
+/// its own (the conversion is synchronous Diesel; the URL's TLS settings are libpq's).
+async fn rotate(args: RotateArgs) -> ExitCode {
+    use diesel::Connection;
+    let rotation = outbox_diesel::Rotation::default()
+        .partitions(args.partitions)
+        .block_rows(args.block_rows);
+    let (url, table) = (args.db.database_url.clone(), args.db.table.clone());
+    let done = tokio::task::spawn_blocking(move || {
+        let mut conn = diesel::PgConnection::establish(&url).map_err(|e| {
+            format!(
+                "cannot connect to PostgreSQL at {}: {e}; is PostgreSQL running, and is \
+                 --database-url (DATABASE_URL) right?",
+                redact_url(&url)
+            )
+        })?;
+        outbox_diesel::partition_table(&mut conn, &table, rotation)
+            .map_err(|e| format!("cannot turn {table} into a ring of partitions: {e}"))
+    })
+    .await;
+    match done {
+        Ok(Ok(true)) => {
+            println!(
+                "{} is now a ring of {} partitions ({}_r0 to {}_r{}) of {} rows each",
+                args.db.table,
+                args.partitions,
+                args.db.table.name(),
+                args.db.table.name(),
+                args.partitions - 1,
+                args.block_rows
+            );
+            ExitCode::SUCCESS
+        }
+        Ok(Ok(false)) => {
+            println!(
+                "{} is a partitioned table already: left as it is",
+                args.db.table
+            );
+            ExitCode::SUCCESS
+        }
+        Ok(Err(msg)) => fail("rotate", msg),
+        Err(e) => fail("rotate", format!("the conversion stopped: {e}")),
     }
 }
