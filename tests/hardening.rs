@@ -944,6 +944,73 @@ async fn a_poll_costs_the_same_whatever_number_of_rows_wait_behind_a_parked_one(
     );
 }
 
+// 10. Few aggregates, one parked with many rows held back behind it. The statistics then say a
+// row's aggregate matches a third of the table, and looking a row's waiting rows up by `seq`
+// (an index of every unpublished row, stopping at the first match) looks cheaper than by its
+// aggregate through the index of parked rows: it read every row kept before the row, 20 s a
+// batch of 500 with 100,000 rows held back. The look-up must go by aggregate whatever the
+// statistics, on a plain and on a rotated table.
+#[tokio::test]
+async fn a_batch_looks_up_waiting_rows_by_aggregate_whatever_the_statistics_say() {
+    for rotated in [false, true] {
+        let db = TestDb::new();
+        if rotated {
+            outbox_diesel::partition_table(
+                &mut db.conn(),
+                &outbox_diesel::OutboxTable::DEFAULT,
+                outbox_diesel::Rotation::default().block_rows(5_000),
+            )
+            .expect("rotate");
+        }
+        let insert = |aggregates: &str, n: i64, parked: &str| {
+            db.execute(
+                &format!(
+                    "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, \
+                     parked_at) SELECT gen_random_uuid(), 'tenant', {aggregates}, \
+                     'tenant.changed', jsonb_build_object('n', i), {parked} \
+                     FROM generate_series(1, {n}) AS i"
+                ),
+                "insert rows",
+            )
+        };
+        // rows of three tenants, read by the relay and kept for the retention
+        insert("'t-' || (i % 3)", 30_000, "NULL");
+        // t-0's next row was parked, and the rows after it set aside behind it
+        insert("'t-0'", 1, "now()");
+        insert("'t-0'", 30_000, "'-infinity'");
+        let cursor = outbox_diesel::relay::Cursor::at(
+            db.scalar("SELECT max(seq) FROM outbox"),
+            db.strings("SELECT pg_current_snapshot()::text")
+                .pop()
+                .expect("a snapshot"),
+        );
+        // new rows of the two others
+        insert("'t-' || (1 + i % 2)", 500, "NULL");
+        db.execute("VACUUM ANALYZE outbox", "vacuum");
+
+        let mut conn = db.relay_session().await;
+        let plan = outbox_diesel::relay::explain_batches_analyze(
+            &mut conn,
+            &outbox_diesel::OutboxTable::DEFAULT,
+            1,
+            &[(0, cursor)],
+            500,
+        )
+        .await
+        .expect("explain the batch");
+        let read = buffers(&plan);
+        println!("rotated: {rotated}: {read} buffers for a batch of 500 rows");
+        assert!(
+            plan.iter().any(|l| l.contains("rows=500 loops=1")),
+            "the batch reads its 500 rows:\n{}",
+            plan.join("\n")
+        );
+        // two look-ups a row (parked or held; released), through one index, one probe per
+        // partition each: a few buffers a row, not a scan of the rows kept before it
+        assert!(read < 20_000, "{read} buffers:\n{}", plan.join("\n"));
+    }
+}
+
 // 10. A backlog written in a few large transactions: the statistics see few transaction ids,
 // and the batch must still find the late rows by transaction id, not by reading every
 // unpublished row and testing its id.

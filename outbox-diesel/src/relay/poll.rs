@@ -8,6 +8,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use crate::OutboxTable;
 
+use super::rows::OutboxRowText;
 use super::{OutboxRow, Partition, hold_back};
 
 /// `SELECT … FROM outbox WHERE unpublished, not parked [, in the partitions] [, not of a
@@ -45,25 +46,26 @@ impl QueryFragment<Pg> for FetchBatch<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         const COLUMNS: &str = "o.seq, o.id, o.aggregate_type, o.aggregate_id, o.event_type, \
                                o.payload, o.headers, o.created_at, o.attempts";
+        // as read from the table: the payload written out as text once, where the byte
+        // budget counts it and whence it is returned ([`OutboxRowText`])
+        const READ: &str = "o.seq, o.id, o.aggregate_type, o.aggregate_id, o.event_type, \
+                            o.payload::text AS payload, o.headers, o.created_at, o.attempts";
         let held = if self.flag_held { ", o.held" } else { "" };
         if self.max_bytes.is_some() {
             // the rows in `seq` order, each with the bytes of the payloads before it; a row is
             // taken while those stay under the budget
             out.push_sql(&format!(
                 "SELECT {COLUMNS}{held} FROM (SELECT {COLUMNS}{held}, \
-                 COALESCE(sum(octet_length(o.payload::text)) OVER (ORDER BY o.seq \
+                 COALESCE(sum(octet_length(o.payload)) OVER (ORDER BY o.seq \
                  ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before FROM ("
             ));
         }
-        out.push_sql(&format!("SELECT {COLUMNS}"));
+        out.push_sql(&format!("SELECT {READ}"));
         if self.flag_held {
-            out.push_sql(", EXISTS (SELECT 1 FROM ");
-            self.table.walk_ast(&mut out)?;
-            out.push_sql(
-                " p WHERE p.parked_at IS NOT NULL AND p.published_at IS NULL \
-                 AND p.aggregate_type = o.aggregate_type AND p.aggregate_id = o.aggregate_id \
-                 AND p.seq < o.seq) AS held",
-            );
+            out.push_sql(&format!(
+                ", {} AS held",
+                super::parking::earlier_waiting_sql(&self.table.quoted(), "IS NOT NULL")
+            ));
         }
         out.push_sql(" FROM ");
         self.table.walk_ast(&mut out)?;
@@ -164,15 +166,16 @@ pub async fn fetch_partitions_excluding(
         flag_held: false,
         max_bytes,
     }
-    .load(conn)
+    .load::<OutboxRowText>(conn)
     .await
+    .map(|rows| rows.into_iter().map(OutboxRow::from).collect())
 }
 
 /// A fetched row and whether it is held back.
 #[derive(QueryableByName)]
 struct Fetched {
     #[diesel(embed)]
-    event: OutboxRow,
+    event: OutboxRowText,
     #[diesel(sql_type = Bool)]
     held: bool,
 }
@@ -213,7 +216,7 @@ pub async fn fetch_ready(
     let held: Vec<i64> = fetched
         .iter()
         .filter(|f| f.held)
-        .map(|f| f.event.seq)
+        .map(|f| f.event.seq())
         .collect();
     if !held.is_empty() {
         let n = hold_back(conn, table, &held).await?;
@@ -225,7 +228,7 @@ pub async fn fetch_ready(
     Ok(fetched
         .into_iter()
         .filter(|f| !f.held)
-        .map(|f| f.event)
+        .map(|f| f.event.into())
         .collect())
 }
 
@@ -252,8 +255,9 @@ pub async fn claim_unpublished(
         flag_held: false,
         max_bytes,
     }
-    .load(conn)
+    .load::<OutboxRowText>(conn)
     .await
+    .map(|rows| rows.into_iter().map(OutboxRow::from).collect())
 }
 
 /// A line of an `EXPLAIN`'s output.

@@ -39,6 +39,54 @@ pub struct OutboxRow {
     pub attempts: i32,
 }
 
+/// An [`OutboxRow`] read with its payload as text (`payload::text`), for a statement that
+/// writes the payload out as text once for its byte budget and returns that text, instead of
+/// writing it out a second time to send the `jsonb` (see `batch_sql`).
+#[derive(QueryableByName)]
+pub(crate) struct OutboxRowText {
+    #[diesel(sql_type = BigInt)]
+    seq: i64,
+    #[diesel(sql_type = SqlUuid)]
+    id: Uuid,
+    #[diesel(sql_type = Text)]
+    aggregate_type: String,
+    #[diesel(sql_type = Text)]
+    aggregate_id: String,
+    #[diesel(sql_type = Text)]
+    event_type: String,
+    #[diesel(sql_type = Text)]
+    payload: String,
+    #[diesel(sql_type = Jsonb)]
+    headers: serde_json::Value,
+    #[diesel(sql_type = Timestamptz)]
+    created_at: DateTime<Utc>,
+    #[diesel(sql_type = Integer)]
+    attempts: i32,
+}
+
+impl OutboxRowText {
+    pub(crate) fn seq(&self) -> i64 {
+        self.seq
+    }
+}
+
+impl From<OutboxRowText> for OutboxRow {
+    fn from(r: OutboxRowText) -> OutboxRow {
+        OutboxRow {
+            seq: r.seq,
+            id: r.id,
+            aggregate_type: r.aggregate_type,
+            aggregate_id: r.aggregate_id,
+            event_type: r.event_type,
+            // PostgreSQL's text of a `jsonb` value, as its binary form carries it
+            payload: RawJson::from_postgres(r.payload),
+            headers: r.headers,
+            created_at: r.created_at,
+            attempts: r.attempts,
+        }
+    }
+}
+
 /// Which rows a relay task works on: all of them, or the rows whose `aggregate_hash` falls
 /// in partition `index` of `count` (`aggregate_hash % count = index`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

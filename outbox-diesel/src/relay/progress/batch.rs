@@ -9,6 +9,7 @@ use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 
 use crate::OutboxTable;
 
+use super::super::rows::OutboxRowText;
 use super::super::{OutboxRow, Partition};
 use super::statement::{Binds, behind_sql};
 use super::{Cursor, LatePass};
@@ -40,7 +41,7 @@ pub struct Batch {
 #[derive(QueryableByName)]
 struct Fetched {
     #[diesel(embed)]
-    event: OutboxRow,
+    event: OutboxRowText,
     /// 0 next, 1 late, 2 released
     #[diesel(sql_type = Integer)]
     part: i32,
@@ -127,14 +128,14 @@ pub async fn fetch_batches(
     let walked = fetched
         .iter()
         .filter(|f| f.part == 0)
-        .map(|f| f.event.seq)
+        .map(|f| f.event.seq())
         .max();
     // per partition: the late rows returned, their highest `seq`, and how many there are
     let mut late: std::collections::HashMap<i32, (i64, i64, i64)> = Default::default();
     for f in fetched.iter().filter(|f| f.part == 1) {
         let e = late.entry(f.p).or_insert((0, i64::MIN, f.late_total));
         e.0 += 1;
-        e.1 = e.1.max(f.event.seq);
+        e.1 = e.1.max(f.event.seq());
     }
     let mut batches: Vec<(u32, Batch)> = Vec::with_capacity(cursors.len());
     // the partitions whose late rows did not all fit: their next rows wait for the pass
@@ -178,7 +179,7 @@ pub async fn fetch_batches(
     let behind: Vec<i64> = fetched
         .iter()
         .filter(|f| f.behind == 1 || (f.behind == 2 && f.part != 2))
-        .map(|f| f.event.seq)
+        .map(|f| f.event.seq())
         .collect();
     let set_aside = if behind.is_empty() {
         Vec::new()
@@ -201,8 +202,9 @@ pub async fn fetch_batches(
             continue;
         };
         let batch = &mut batches[i].1;
-        if aside.contains(&f.event.seq) {
-            batch.held += usize::from(held.contains(&f.event.seq));
+        let seq = f.event.seq();
+        if aside.contains(&seq) {
+            batch.held += usize::from(held.contains(&seq));
             continue;
         }
         let source = match f.part {
@@ -210,7 +212,7 @@ pub async fn fetch_batches(
             1 => Source::Late,
             _ => Source::Released,
         };
-        batch.rows.push((f.event, source));
+        batch.rows.push((f.event.into(), source));
     }
     for (_, batch) in &mut batches {
         batch.rows.sort_by_key(|(r, _)| r.seq);
