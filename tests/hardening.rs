@@ -1005,9 +1005,15 @@ async fn a_batch_looks_up_waiting_rows_by_aggregate_whatever_the_statistics_say(
             "the batch reads its 500 rows:\n{}",
             plan.join("\n")
         );
-        // two look-ups a row (parked or held; released), through one index, one probe per
-        // partition each: a few buffers a row, not a scan of the rows kept before it
-        assert!(read < 20_000, "{read} buffers:\n{}", plan.join("\n"));
+        // one look-up a row (for parked or held rows; the one for released rows runs only
+        // while a row is released, and none is) through the index of parked rows, a probe per
+        // partition: a few buffers a row, not a scan of the rows kept before it (637,892)
+        let partitions = if rotated { 4 } else { 1 };
+        assert!(
+            read < 2_500 * partitions,
+            "{read} buffers:\n{}",
+            plan.join("\n")
+        );
     }
 }
 

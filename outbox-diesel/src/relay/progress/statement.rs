@@ -14,17 +14,25 @@ use super::Cursor;
 /// Whether an earlier row of row `o`'s aggregate is parked or held (1), or only released
 /// ones are waiting (2), or none (0). Each test stops at the first row it finds, so a row
 /// costs the same however many rows of its aggregate wait, and reads the index of parked rows
-/// whatever the statistics say ([`earlier_waiting_sql`]); while no row of the table waits (one
-/// look at that index per statement, an `InitPlan`), a row costs no look-up at all. A rotated
-/// table's index is one per partition, and those two look-ups per row were one per partition
-/// each: 12 index probes a row with 4 partitions.
+/// whatever the statistics say ([`earlier_waiting_sql`]). A row looks up only what waits
+/// somewhere in the table: while no row waits (one look at that index per statement, an
+/// `InitPlan`), nothing; while no row is released (one look at the index of released rows),
+/// not released rows. A rotated table's indexes are one per partition, and a look-up probes
+/// each: with no row waiting, those two look-ups per row were 12 index probes a row with 4
+/// partitions.
 pub(super) fn behind_sql(table: &OutboxTable) -> String {
     let t = table.quoted();
+    let any = |parked: &str| {
+        format!(
+            "(SELECT EXISTS (SELECT 1 FROM {t} p \
+             WHERE p.parked_at {parked} AND p.published_at IS NULL))"
+        )
+    };
     format!(
-        "CASE WHEN NOT (SELECT EXISTS (SELECT 1 FROM {t} p \
-         WHERE p.parked_at IS NOT NULL AND p.published_at IS NULL)) THEN 0 \
-         WHEN {} THEN 1 WHEN {} THEN 2 ELSE 0 END",
+        "CASE WHEN NOT {} THEN 0 WHEN {} THEN 1 WHEN {} AND {} THEN 2 ELSE 0 END",
+        any("IS NOT NULL"),
         earlier_waiting_sql(&t, "< 'infinity'"),
+        any("= 'infinity'"),
         earlier_waiting_sql(&t, "= 'infinity'")
     )
 }
