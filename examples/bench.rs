@@ -1028,7 +1028,7 @@ impl Bench {
     async fn poll_cost(&mut self) -> Result<()> {
         println!("\n## 4. poll cost: the relays' fetch queries, median of 200 runs\n");
         println!(
-            "| table | unordered: ms to find the oldest row (LIMIT 1) | ratio to empty | unordered: ms per batch of 500 | ordered: ms per batch of 500 at its cursor |"
+            "| table | unordered: ms to find the oldest row (LIMIT 1) | ratio to empty | unordered: ms per batch of 500 | ordered: ms per batch of 500 at its cursor (its session's CPU µs per row returned) |"
         );
         println!("|---|---|---|---|---|");
         self.reset_outbox()?;
@@ -1162,22 +1162,45 @@ impl Bench {
     }
 
     /// The median of 200 runs of the ordered relay's batch at `cursor`, in ms (after 20 runs
-    /// that set aside what a parked row holds back).
-    async fn batch_time(&self, cursor: &outbox_diesel::relay::Cursor, limit: i64) -> Result<f64> {
+    /// that set aside what a parked row holds back), and its session's CPU per row returned
+    /// over those 200 runs.
+    async fn batch_time(
+        &self,
+        cursor: &outbox_diesel::relay::Cursor,
+        limit: i64,
+    ) -> Result<BatchCost> {
         let mut conn = AsyncPgConnection::establish(&self.db_url).await?;
         outbox_diesel::relay::prepare_session(&mut conn).await?;
+        let backend = outbox_diesel::relay::backend_pid(&mut conn).await? as u32;
         let table = outbox_diesel::OutboxTable::DEFAULT;
         let part = outbox_diesel::relay::Partition::ALL;
         let mut times = Vec::with_capacity(200);
+        let (mut rows, mut cpu_before) = (0, 0.0);
         for i in 0..220 {
+            if i == 20 {
+                cpu_before = process_cpu_secs(backend);
+            }
             let start = Instant::now();
-            outbox_diesel::relay::fetch_batch(&mut conn, &table, part, cursor, &[], limit, 8 << 20)
-                .await?;
+            let batch = outbox_diesel::relay::fetch_batch(
+                &mut conn,
+                &table,
+                part,
+                cursor,
+                &[],
+                limit,
+                8 << 20,
+            )
+            .await?;
             if i >= 20 {
                 times.push(start.elapsed().as_secs_f64() * 1000.0);
+                rows += batch.rows.len();
             }
         }
-        Ok(median(&mut times))
+        let cpu = process_cpu_secs(backend) - cpu_before;
+        Ok(BatchCost {
+            ms: median(&mut times),
+            us_per_row: (rows > 0).then(|| cpu * 1e6 / rows as f64),
+        })
     }
 
     /// Section 6: what deleting kept rows costs PostgreSQL, for rows marked `published_at`
@@ -1574,6 +1597,27 @@ fn cpu_snapshot() -> HashMap<u32, (String, f64)> {
         out.insert(pid, (comm, (ticks(11) + ticks(12)) / 100.0));
     }
     out
+}
+
+/// A batch's median time and its session's CPU per row returned (none when it returned no
+/// row), as section 4 prints them: `2.104 (3.9)`.
+struct BatchCost {
+    ms: f64,
+    us_per_row: Option<f64>,
+}
+
+impl std::fmt::Display for BatchCost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.us_per_row {
+            Some(us) => write!(f, "{:.3} ({us:.1})", self.ms),
+            None => write!(f, "{:.3}", self.ms),
+        }
+    }
+}
+
+/// The CPU a process has used so far (user and system), in seconds; 0 when it is gone.
+fn process_cpu_secs(pid: u32) -> f64 {
+    cpu_snapshot().get(&pid).map_or(0.0, |(_, secs)| *secs)
 }
 
 /// CPU µs per event spent by PostgreSQL, nats-server and this process (the relay or the
