@@ -22,17 +22,23 @@ use super::Cursor;
 /// partitions.
 pub(super) fn behind_sql(table: &OutboxTable) -> String {
     let t = table.quoted();
-    let any = |parked: &str| {
-        format!(
-            "(SELECT EXISTS (SELECT 1 FROM {t} p \
-             WHERE p.parked_at {parked} AND p.published_at IS NULL))"
-        )
-    };
+    // each asks for a first row in the order of the index it must read (of parked rows; of
+    // released rows), which no other index gives without a sort: asked only whether one
+    // exists, the planner took a walk of every unpublished row by `seq` where the statistics
+    // made waiting rows look common, and read 100,000 unpublished rows before the first
+    // parked one in every batch
+    let any_waiting = format!(
+        "(SELECT p.parked_at FROM {t} p WHERE p.parked_at IS NOT NULL \
+         AND p.published_at IS NULL ORDER BY p.aggregate_type, p.aggregate_id LIMIT 1)"
+    );
+    let any_released = format!(
+        "(SELECT p.parked_at FROM {t} p WHERE p.parked_at = 'infinity' \
+         AND p.published_at IS NULL ORDER BY p.seq LIMIT 1)"
+    );
     format!(
-        "CASE WHEN NOT {} THEN 0 WHEN {} THEN 1 WHEN {} AND {} THEN 2 ELSE 0 END",
-        any("IS NOT NULL"),
+        "CASE WHEN {any_waiting} IS NULL THEN 0 WHEN {} THEN 1 \
+         WHEN {any_released} IS NOT NULL AND {} THEN 2 ELSE 0 END",
         earlier_waiting_sql(&t, "< 'infinity'"),
-        any("= 'infinity'"),
         earlier_waiting_sql(&t, "= 'infinity'")
     )
 }
