@@ -22,11 +22,12 @@ use super::Cursor;
 /// partitions.
 pub(super) fn behind_sql(table: &OutboxTable) -> String {
     let t = table.quoted();
-    // each asks for a first row in the order of the index it must read (of parked rows; of
-    // released rows), which no other index gives without a sort: asked only whether one
-    // exists, the planner took a walk of every unpublished row by `seq` where the statistics
-    // made waiting rows look common, and read 100,000 unpublished rows before the first
-    // parked one in every batch
+    // whether any row waits is asked for the first in the order of the index of parked rows,
+    // which no other index gives without a sort: asked only whether one exists (`EXISTS`),
+    // the planner took a walk of every unpublished row by `seq` where the statistics made
+    // waiting rows look common, and read a 100,000-row backlog before the first parked row in
+    // every batch; whether any is released, for the first by `seq`, which the index of
+    // released rows gives at its first entry
     let any_waiting = format!(
         "(SELECT p.parked_at FROM {t} p WHERE p.parked_at IS NOT NULL \
          AND p.published_at IS NULL ORDER BY p.aggregate_type, p.aggregate_id LIMIT 1)"
