@@ -944,6 +944,32 @@ async fn a_poll_costs_the_same_whatever_number_of_rows_wait_behind_a_parked_one(
     );
 }
 
+/// A cursor that has read every row committed so far: the highest `seq`, the current
+/// snapshot.
+fn cursor_now(db: &TestDb) -> outbox_diesel::relay::Cursor {
+    outbox_diesel::relay::Cursor::at(
+        db.scalar("SELECT max(seq) FROM outbox"),
+        db.strings("SELECT pg_current_snapshot()::text")
+            .pop()
+            .expect("a snapshot"),
+    )
+}
+
+/// The ordered relay's batch of 500 rows at `cursor` (one partition), executed in a relay's
+/// session.
+async fn analyzed_batch(db: &TestDb, cursor: outbox_diesel::relay::Cursor) -> Vec<String> {
+    let mut conn = db.relay_session().await;
+    outbox_diesel::relay::explain_batches_analyze(
+        &mut conn,
+        &outbox_diesel::OutboxTable::DEFAULT,
+        1,
+        &[(0, cursor)],
+        500,
+    )
+    .await
+    .expect("explain the batch")
+}
+
 // 10. Few aggregates, one parked with many rows held back behind it. The statistics then say a
 // row's aggregate matches a third of the table, and looking a row's waiting rows up by `seq`
 // (an index of every unpublished row, stopping at the first match) looks cheaper than by its
@@ -978,26 +1004,12 @@ async fn a_batch_looks_up_waiting_rows_by_aggregate_whatever_the_statistics_say(
         // t-0's next row was parked, and the rows after it set aside behind it
         insert("'t-0'", 1, "now()");
         insert("'t-0'", 30_000, "'-infinity'");
-        let cursor = outbox_diesel::relay::Cursor::at(
-            db.scalar("SELECT max(seq) FROM outbox"),
-            db.strings("SELECT pg_current_snapshot()::text")
-                .pop()
-                .expect("a snapshot"),
-        );
+        let cursor = cursor_now(&db);
         // new rows of the two others
         insert("'t-' || (1 + i % 2)", 500, "NULL");
         db.execute("VACUUM ANALYZE outbox", "vacuum");
 
-        let mut conn = db.relay_session().await;
-        let plan = outbox_diesel::relay::explain_batches_analyze(
-            &mut conn,
-            &outbox_diesel::OutboxTable::DEFAULT,
-            1,
-            &[(0, cursor)],
-            500,
-        )
-        .await
-        .expect("explain the batch");
+        let plan = analyzed_batch(&db, cursor).await;
         let read = buffers(&plan);
         println!("rotated: {rotated}: {read} buffers for a batch of 500 rows");
         assert!(
@@ -1046,25 +1058,11 @@ async fn a_batch_asks_whether_a_row_waits_through_the_index_of_parked_rows() {
     // a hot aggregate parked, 20,000 rows set aside behind it
     insert("'hot'", 1, "NULL", "now()");
     insert("'hot'", 20_000, "NULL", "'-infinity'");
-    let cursor = outbox_diesel::relay::Cursor::at(
-        db.scalar("SELECT max(seq) FROM outbox"),
-        db.strings("SELECT pg_current_snapshot()::text")
-            .pop()
-            .expect("a snapshot"),
-    );
+    let cursor = cursor_now(&db);
     insert("'o-' || (i % 1000)", 500, "NULL", "NULL");
     db.execute("VACUUM ANALYZE outbox", "vacuum");
 
-    let mut conn = db.relay_session().await;
-    let plan = outbox_diesel::relay::explain_batches_analyze(
-        &mut conn,
-        &outbox_diesel::OutboxTable::DEFAULT,
-        1,
-        &[(0, cursor)],
-        500,
-    )
-    .await
-    .expect("explain the batch");
+    let plan = analyzed_batch(&db, cursor).await;
     let read = buffers(&plan);
     println!("{read} buffers for a batch of 500 rows");
     assert!(
