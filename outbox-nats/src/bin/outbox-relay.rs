@@ -334,14 +334,15 @@ fn fail(command: &str, msg: String) -> ExitCode {
     ExitCode::from(2)
 }
 
+/// What to check when a one-shot command cannot connect and the error names no fix.
+const CONNECT_HINT: &str = "is PostgreSQL running, and is --database-url (DATABASE_URL) right?";
+
 /// Connects for a one-shot command and checks the table exists.
 async fn open(command: &str, db: &DbArgs) -> Result<AsyncPgConnection, ExitCode> {
     let mut conn = outbox_diesel::connect(&db.database_url)
         .await
         .map_err(|e| {
-            let fix = e
-                .fix()
-                .unwrap_or("is PostgreSQL running, and is --database-url (DATABASE_URL) right?");
+            let fix = e.fix().unwrap_or(CONNECT_HINT);
             fail(
                 command,
                 format!(
@@ -502,8 +503,7 @@ async fn rotate(args: RotateArgs) -> ExitCode {
     let done = tokio::task::spawn_blocking(move || {
         let mut conn = diesel::PgConnection::establish(&url).map_err(|e| {
             format!(
-                "cannot connect to PostgreSQL at {}: {e}; is PostgreSQL running, and is \
-                 --database-url (DATABASE_URL) right?",
+                "cannot connect to PostgreSQL at {}: {e}; {CONNECT_HINT}",
                 redact_url(&url)
             )
         })?;
