@@ -44,7 +44,10 @@ pub struct RelayConfig {
     pub lease: Duration,
     /// Rows read per query (default 500).
     pub batch_size: usize,
-    /// Unacked publishes in flight at most (default 512).
+    /// Unacked publishes in flight at most (default 512), per worker in unordered mode. Their
+    /// acks arrive on one subscription of the relay's NATS client, which must hold that many
+    /// (`async_nats::ConnectOptions::subscription_capacity`, 65,536 by default): acks beyond
+    /// it are dropped, and their publishes time out and are sent again.
     pub max_in_flight: usize,
     /// Payload bytes a batch holds at most (default 8 MiB), in every mode. Polling: a query
     /// stops taking rows once their payloads (as their JSON text) reach it, and always takes
@@ -255,22 +258,6 @@ impl RelayConfig {
     pub fn startup_timeout(mut self, d: Duration) -> Self {
         self.startup_timeout = d;
         self
-    }
-
-    /// The JetStream ack permits the relay's context gets: every publish holds one until its
-    /// ack is awaited, and all pipelines of a process share them. Twice the publishes that
-    /// can be in flight at once (`max_in_flight`, per worker in unordered mode), so that no
-    /// pipeline ever waits for a permit that only another pipeline's progress would release.
-    pub fn ack_permits(&self) -> usize {
-        let (per_pipeline, pipelines) = match &self.mode {
-            Mode::Unordered(u) => (self.max_in_flight.min(self.batch_size), u.workers as usize),
-            Mode::Ordered(_) | Mode::LogTailing(_) => (self.max_in_flight, 1),
-        };
-        // a semaphore holds at most `usize::MAX >> 3` permits
-        per_pipeline
-            .saturating_mul(pipelines)
-            .saturating_mul(2)
-            .min(usize::MAX >> 4)
     }
 
     /// Checks the values that have rules; the relay calls it before it starts.

@@ -136,12 +136,9 @@ impl Relay {
         m::describe();
         let cfg = self.config.clone();
         cfg.validate().map_err(RelayError::Config)?;
-        // every pipeline of the process shares the context's ack permits: enough for each
-        // to fill its window twice (a pipeline dropped with acks in flight keeps its permits
-        // until they arrive), so that no pipeline waits for permits only another can release
-        let js = jetstream::ContextBuilder::new()
-            .max_ack_inflight(cfg.ack_permits())
-            .build(self.nats.clone());
+        // publishing takes its acks on a subscription of its own (see `publish::pipeline`):
+        // the context's ack permits bound nothing the relay sends
+        let js = jetstream::new(self.nats.clone());
         let stream = self.startup(&js, &shutdown).await?;
         let Some(stream) = stream else { return Ok(()) };
         if let Mode::LogTailing(tailing) = &cfg.mode {
