@@ -132,6 +132,24 @@ fn event(i: usize) -> OrderPlaced {
     }
 }
 
+/// The baselines' `i`th message: its subject and the six headers a relay sends.
+fn raw_message(prefix: &str, i: usize) -> (String, async_nats::HeaderMap) {
+    let mut h = async_nats::HeaderMap::new();
+    h.insert("Nats-Msg-Id", uuid::Uuid::now_v7().to_string().as_str());
+    h.insert("Outbox-Aggregate-Type", "order");
+    h.insert(
+        "Outbox-Aggregate-Id",
+        format!("order-{}", i % 1000).as_str(),
+    );
+    h.insert("Outbox-Event-Type", "order.placed");
+    h.insert(
+        "Outbox-Created-At",
+        chrono::Utc::now().to_rfc3339().as_str(),
+    );
+    h.insert("Content-Type", "application/json");
+    (format!("{prefix}.order.order-{}", i % 1000), h)
+}
+
 /// A run of section 1.
 struct Run {
     name: &'static str,
@@ -374,15 +392,17 @@ impl Bench {
         let repeat = self.args.repeat.max(1);
         println!("\n## 1. relay throughput ({n} events of ~300 B, file storage, dedup on)\n");
         println!(
-            "Each run follows its own baseline (a bare async-nats publisher, same messages, 512 acks \
-             in flight); median of {repeat}. The last column is the baseline's CPU per event outside \
-             PostgreSQL (nats-server + publisher) over the relay's (nats-server + relay): the ratio \
-             to expect where the database has cores of its own.\n"
+            "Each run follows its own baselines, the same messages with 512 acks in flight: a bare \
+             async-nats publisher (JetStream's publish API, a future per ack), and a lean one (core \
+             NATS publishes with a numbered reply subject under one inbox subscription, as the relay \
+             publishes); median of {repeat}. The last column is the baseline's CPU per event \
+             outside PostgreSQL (nats-server + publisher) over the relay's (nats-server + relay): \
+             the ratio to expect where the database has cores of its own.\n"
         );
         println!(
-            "| run | events/s | baseline events/s | ratio to baseline | CPU µs per event: PostgreSQL / nats-server / relay | baseline: nats-server / publisher | CPU ratio outside PostgreSQL |"
+            "| run | events/s | baseline events/s | ratio to baseline | lean baseline events/s | ratio to lean baseline | CPU µs per event: PostgreSQL / nats-server / relay | baseline: nats-server / publisher | lean baseline: nats-server / publisher | CPU ratio outside PostgreSQL |"
         );
-        println!("|---|---|---|---|---|---|---|");
+        println!("|---|---|---|---|---|---|---|---|---|---|");
         let run = |name, mode, partitions, workers, relays, delete| Run {
             name,
             mode,
@@ -503,7 +523,7 @@ impl Bench {
             }
             if r.mode == ModeKind::LogTailing && !logical {
                 println!(
-                    "| {} | skipped: `wal_level` is not `logical` (`ALTER SYSTEM SET wal_level = logical` and restart PostgreSQL) | | | | | |",
+                    "| {} | skipped: `wal_level` is not `logical` (`ALTER SYSTEM SET wal_level = logical` and restart PostgreSQL) | | | | | | | | |",
                     r.name
                 );
                 continue;
@@ -514,11 +534,16 @@ impl Bench {
             let mut ratios = Vec::new();
             let mut cpu = Vec::new();
             let mut base_cpu = Vec::new();
+            let (mut leans, mut lean_ratios, mut lean_cpu) = (Vec::new(), Vec::new(), Vec::new());
             for _ in 0..repeat {
                 // a ring made anew each time, so that the backlog starts at its first block
                 self.rotate_outbox(ring)?;
                 let (baseline, b) = self.raw_publish(n).await?;
+                let (lean, l) = self.raw_publish_lean(n).await?;
                 let (rate, c) = self.relay_run(n, &r).await?;
+                leans.push(lean);
+                lean_ratios.push(rate / lean);
+                lean_cpu.push(l);
                 rates.push(rate);
                 baselines.push(baseline);
                 ratios.push(rate / baseline);
@@ -526,17 +551,22 @@ impl Bench {
                 base_cpu.push(b);
             }
             let (c, b) = (CpuUse::median(&cpu), CpuUse::median(&base_cpu));
+            let l = CpuUse::median(&lean_cpu);
             println!(
-                "| {} | {:.0} | {:.0} | {:.2} | {:.1} / {:.1} / {:.1} | {:.1} / {:.1} | {:.2} |",
+                "| {} | {:.0} | {:.0} | {:.2} | {:.0} | {:.2} | {:.1} / {:.1} / {:.1} | {:.1} / {:.1} | {:.1} / {:.1} | {:.2} |",
                 r.name,
                 median(&mut rates),
                 median(&mut baselines),
                 median(&mut ratios),
+                median(&mut leans),
+                median(&mut lean_ratios),
                 c.postgres,
                 c.nats,
                 c.own,
                 b.nats,
                 b.own,
+                l.nats,
+                l.own,
                 (b.nats + b.own) / (c.nats + c.own).max(f64::EPSILON)
             );
         }
@@ -590,31 +620,59 @@ impl Bench {
             {
                 r?;
             }
-            let mut h = async_nats::HeaderMap::new();
-            h.insert("Nats-Msg-Id", uuid::Uuid::now_v7().to_string().as_str());
-            h.insert("Outbox-Aggregate-Type", "order");
-            h.insert(
-                "Outbox-Aggregate-Id",
-                format!("order-{}", i % 1000).as_str(),
-            );
-            h.insert("Outbox-Event-Type", "order.placed");
-            h.insert(
-                "Outbox-Created-At",
-                chrono::Utc::now().to_rfc3339().as_str(),
-            );
-            h.insert("Content-Type", "application/json");
+            let (subject, h) = raw_message(prefix, i);
             let ack = self
                 .js
-                .publish_with_headers(
-                    format!("{prefix}.order.order-{}", i % 1000),
-                    h,
-                    payload.clone(),
-                )
+                .publish_with_headers(subject, h, payload.clone())
                 .await?;
             in_flight.push(ack.into_future());
         }
         while let Some(r) = in_flight.next().await {
             r?;
+        }
+        let rate = n as f64 / start.elapsed().as_secs_f64();
+        Ok((
+            rate,
+            CpuUse::between(&cpu_before, &cpu_snapshot(), n, &[std::process::id()]),
+        ))
+    }
+
+    /// The same messages as [`Bench::raw_publish`], published with core NATS and a reply
+    /// subject under one wildcard inbox subscription, each ack matched by its reply subject:
+    /// no future, channel or timer per message.
+    async fn raw_publish_lean(&mut self, n: usize) -> Result<(f64, CpuUse)> {
+        #[derive(serde::Deserialize)]
+        struct Ack {
+            seq: Option<u64>,
+        }
+        let (name, prefix) = ("BENCH_RAW", "benchraw");
+        self.stream(name, prefix).await?;
+        let payload = bytes::Bytes::from(serde_json::to_vec(&event(0))?);
+        let inbox = self.nats.new_inbox();
+        let mut acks = self.nats.subscribe(format!("{inbox}.*")).await?;
+        let cpu_before = cpu_snapshot();
+        let start = Instant::now();
+        let mut in_flight = 0usize;
+        let take_ack = async |acks: &mut async_nats::Subscriber| -> Result<()> {
+            let m = acks.next().await.context("the ack subscription ended")?;
+            let ack: Ack = serde_json::from_slice(&m.payload)?;
+            ack.seq.context("a publish was refused")?;
+            Ok(())
+        };
+        for i in 0..n {
+            if in_flight >= 512 {
+                take_ack(&mut acks).await?;
+                in_flight -= 1;
+            }
+            let (subject, h) = raw_message(prefix, i);
+            self.nats
+                .publish_with_reply_and_headers(subject, format!("{inbox}.{i}"), h, payload.clone())
+                .await?;
+            in_flight += 1;
+        }
+        while in_flight > 0 {
+            take_ack(&mut acks).await?;
+            in_flight -= 1;
         }
         let rate = n as f64 / start.elapsed().as_secs_f64();
         Ok((
