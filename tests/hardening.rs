@@ -16,8 +16,8 @@ use outbox_diesel::OutboxExt;
 use support::events::{Changed, changed};
 use support::servers::NatsServer;
 use support::{
-    Proc, Relay, TestDb, TestStream, free_port, http_get, relay_command, relay_with_metrics,
-    wait_published, wait_until,
+    Proc, Relay, TestDb, TestStream, by_aggregate, free_port, http_get, relay_command,
+    relay_with_metrics, wait_published, wait_until,
 };
 
 /// Inserts `n` rows of `n` distinct aggregates with plain SQL, in one statement.
@@ -156,6 +156,52 @@ async fn a_relay_that_acks_nothing_while_rows_wait_is_not_ready() {
         matches!(http_get(&addr, "/readyz").await, Some((200, _)))
     })
     .await;
+}
+
+/// Acks that do not come (the NATS server frozen past the 5 s ack timeout, the connection
+/// up) fail their publishes as timed out: counted, retried once the server answers again, and
+/// every row is in the stream once, in its aggregate's order, though the frozen server took
+/// the first copies and stores them when it resumes.
+#[tokio::test]
+async fn acks_that_do_not_come_time_out_and_their_rows_are_sent_again_once_in_order() {
+    let nats = NatsServer::start();
+    let db = TestDb::new();
+    let stream = TestStream::on(&nats.url());
+    let (relay, addr) = relay_with_metrics(&db, &stream, &["--no-cleanup"]);
+    let t = Duration::from_secs(40);
+    insert_rows_over(&db, 10, 3);
+    drained(&db, &relay, t).await;
+    nats.pause();
+    insert_rows_over(&db, 30, 3);
+    wait_until(t, "the timed-out publishes counted", || async {
+        http_get(&addr, "/metrics").await.is_some_and(|(_, body)| {
+            body.lines().any(|l| {
+                l.starts_with("outbox_publish_errors_total{kind=\"timeout\"}") && !l.ends_with(" 0")
+            })
+        })
+    })
+    .await;
+    assert_eq!(unpublished(&db), 30, "rows recorded without their acks");
+    nats.resume();
+    drained(&db, &relay, t).await;
+    let msgs = stream.read_all().await;
+    assert_eq!(msgs.len(), 40, "each row once in the stream");
+    let expected: HashMap<String, Vec<String>> = db
+        .strings(
+            "SELECT aggregate_id || ' ' || string_agg(id::text, ',' ORDER BY seq) \
+             FROM outbox GROUP BY aggregate_id",
+        )
+        .into_iter()
+        .filter_map(|l| {
+            let (agg, ids) = l.split_once(' ')?;
+            Some((agg.to_owned(), ids.split(',').map(str::to_owned).collect()))
+        })
+        .collect();
+    assert_eq!(
+        by_aggregate(&msgs),
+        expected,
+        "each aggregate in commit order"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
