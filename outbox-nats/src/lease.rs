@@ -99,8 +99,9 @@ impl Lease {
 
     /// Sets the session timeouts that end a silent session after the lease.
     pub(crate) async fn configure(&self, conn: &mut AsyncPgConnection) -> diesel::QueryResult<()> {
-        db::set_application_name(conn, "outbox-relay").await?;
+        // the settings first: the statements after them are planned without JIT
         db::prepare_session(conn).await?;
+        db::set_application_name(conn, "outbox-relay").await?;
         if !db::set_lease_timeouts(conn, self.duration).await? {
             tracing::warn!(
                 "the server has no idle_session_timeout (PostgreSQL < 14): a paused relay keeps its partitions until its connection drops"

@@ -112,13 +112,7 @@ impl Cleaner {
             }
             if conn.is_none() {
                 conn = match connect(&cfg.database_url).await {
-                    Ok(mut c) => match db::prepare_side_session(&mut c).await {
-                        Ok(()) => Some(c),
-                        Err(e) => {
-                            debug!(error = %e, "cleanup cannot prepare its session; next round");
-                            continue;
-                        }
-                    },
+                    Ok(c) => Some(c),
                     Err(e) => {
                         debug!(error = %e, "cleanup cannot connect to PostgreSQL; next round");
                         continue;
@@ -156,9 +150,11 @@ impl Cleaner {
     }
 }
 
-/// A connection named `outbox-relay-cleanup` in `pg_stat_activity`.
+/// A connection named `outbox-relay-cleanup` in `pg_stat_activity`, JIT off (its settings
+/// first, so that no statement is planned with JIT).
 async fn connect(url: &str) -> Result<AsyncPgConnection, Box<dyn std::error::Error + Send + Sync>> {
     let mut conn = outbox_diesel::connect(url).await?;
+    db::prepare_side_session(&mut conn).await?;
     outbox_diesel::relay::set_application_name(&mut conn, "outbox-relay-cleanup").await?;
     Ok(conn)
 }

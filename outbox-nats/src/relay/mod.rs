@@ -332,6 +332,11 @@ impl Relay {
                 }
             }
         };
+        // JIT off, as on every session of the relay: the backlog's statement is estimated far
+        // above `jit_above_cost`, and compiling it held the start back by most of a second
+        db::prepare_side_session(&mut conn)
+            .await
+            .map_err(RelayError::Query)?;
         if !db::table_exists(&mut conn, &cfg.table)
             .await
             .map_err(RelayError::Query)?

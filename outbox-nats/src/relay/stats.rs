@@ -37,8 +37,11 @@ pub(super) async fn stats(
         metrics::gauge!(m::READY).set(if health.ready() { 1.0 } else { 0.0 });
         if conn.is_none() {
             conn = match outbox_diesel::connect(&cfg.database_url).await {
-                Ok(mut c) => match db::set_application_name(&mut c, "outbox-relay-stats").await {
-                    Ok(()) => db::prepare_side_session(&mut c).await.ok().map(|()| c),
+                Ok(mut c) => match db::prepare_side_session(&mut c).await {
+                    Ok(()) => db::set_application_name(&mut c, "outbox-relay-stats")
+                        .await
+                        .ok()
+                        .map(|()| c),
                     Err(_) => None,
                 },
                 Err(_) => None,
