@@ -3,6 +3,7 @@
 //! messages of one aggregate at once; [`reconcile`] looks a row in doubt up before sending it
 //! again.
 
+mod acks;
 pub mod fence;
 mod outcome;
 pub(crate) mod pipeline;

@@ -3,18 +3,15 @@
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 
 use async_nats::jetstream::context::{PublishError, PublishErrorKind};
-use async_nats::jetstream::response::Response;
 use async_nats::jetstream::{self, publish::PublishAck};
-use async_nats::{Client, StatusCode, Subscriber};
-use futures_util::{FutureExt, StreamExt};
 use outbox_diesel::relay::OutboxRow;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 use uuid::Uuid;
 
+use super::acks::{ACK_TIMEOUT, AckInbox, Answer, read_ack, reply_number};
 use super::fence::{FENCE_HEADER, Fence};
 pub(crate) use super::outcome::BatchEnd;
 use super::outcome::classify;
@@ -43,9 +40,6 @@ pub(crate) async fn publish_batch(
     pipe.drain().await;
     (pipe.take_acked(), pipe.take_end())
 }
-
-/// How long a publish waits for its ack (JetStream's context default).
-const ACK_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What is remembered of a sent row until its ack arrives.
 struct Sent {
@@ -78,20 +72,14 @@ struct Sent {
 /// either), and nothing is sent after a failure (or once the
 /// lease is in doubt, or at shutdown) until [`Pipeline::take_end`] resets it.
 ///
-/// Each message is a core NATS publish whose reply subject is the pipeline's inbox and a
-/// number; one subscription to the inbox takes every ack, matched to its row by that number.
-/// No future, channel or timer is made per message (JetStream's publish API makes each of
-/// them: a fifth to a third of a bare publisher's CPU per message).
+/// Each ack arrives on the pipeline's [`AckInbox`], matched to its row by the number its reply
+/// subject ends with.
 pub(crate) struct Pipeline<'a> {
     cfg: &'a RelayConfig,
     lease: &'a Lease,
     health: &'a Health,
     shutdown: &'a CancellationToken,
-    client: Client,
-    /// The acks' subscription (`<inbox>.*`), made at the first publish.
-    acks: Option<(String, Subscriber)>,
-    /// The number of the next row sent (or settled).
-    next_id: u64,
+    inbox: AckInbox,
     /// The rows in flight, in send order, with their acks as they arrive.
     sent: VecDeque<Sent>,
     keys: HashSet<(String, String)>,
@@ -127,9 +115,7 @@ impl<'a> Pipeline<'a> {
             lease,
             health,
             shutdown,
-            client: js.client(),
-            acks: None,
-            next_id: 0,
+            inbox: AckInbox::new(js.client()),
             sent: VecDeque::new(),
             keys: HashSet::new(),
             subjects: HashSet::new(),
@@ -255,7 +241,7 @@ impl<'a> Pipeline<'a> {
                 return false;
             }
         };
-        match self.publish(msg).await {
+        match self.inbox.publish(msg).await {
             Ok(id) => {
                 self.in_flight_bytes += bytes;
                 self.sent.push_back(Sent {
@@ -289,43 +275,6 @@ impl<'a> Pipeline<'a> {
                 ));
                 false
             }
-        }
-    }
-
-    /// Publishes `msg` with a reply subject of the acks' inbox; the number it ends with.
-    async fn publish(&mut self, msg: crate::publish::OutboxMessage) -> Result<u64, PublishError> {
-        let (inbox, _) = match &self.acks {
-            Some(acks) => acks,
-            None => {
-                let inbox = self.client.new_inbox();
-                let sub = self
-                    .client
-                    .subscribe(format!("{inbox}.*"))
-                    .await
-                    .map_err(|e| PublishError::with_source(PublishErrorKind::Other, e))?;
-                self.acks.insert((inbox, sub))
-            }
-        };
-        let id = self.next_id;
-        let send = self.client.publish_with_reply_and_headers(
-            msg.subject,
-            format!("{inbox}.{id}"),
-            msg.headers,
-            msg.payload,
-        );
-        // the send waits only while the connection's queue is full (NATS unreachable)
-        match tokio::time::timeout(ACK_TIMEOUT, send).await {
-            Ok(Ok(())) => {
-                self.next_id += 1;
-                Ok(id)
-            }
-            Ok(Err(e)) => Err(match e.kind() {
-                async_nats::client::PublishErrorKind::MaxPayloadExceeded => {
-                    PublishError::with_source(PublishErrorKind::MaxPayloadExceeded, e)
-                }
-                _ => PublishError::with_source(PublishErrorKind::Other, e),
-            }),
-            Err(_) => Err(PublishError::new(PublishErrorKind::TimedOut)),
         }
     }
 
@@ -379,7 +328,7 @@ impl<'a> Pipeline<'a> {
             ));
         }
         self.sent.push_back(Sent {
-            id: self.next_id,
+            id: self.inbox.skip(),
             deadline: tokio::time::Instant::now(),
             ack: Some(Ok(PublishAck::default())),
             bytes: 0,
@@ -390,7 +339,6 @@ impl<'a> Pipeline<'a> {
             fenced: None,
             fence_only: false,
         });
-        self.next_id += 1;
         true
     }
 
@@ -407,27 +355,22 @@ impl<'a> Pipeline<'a> {
                 }
                 return;
             }
-            let Some((_, sub)) = &mut self.acks else {
-                // a row sent without the acks' subscription cannot be
-                front.ack = Some(Err(PublishError::new(PublishErrorKind::BrokenPipe)));
-                continue;
-            };
-            match tokio::time::timeout_at(front.deadline, sub.next()).await {
-                Ok(Some(msg)) => {
+            match self.inbox.next(front.deadline).await {
+                Answer::Message(msg) => {
                     file_ack(&mut self.sent, msg);
-                    while let Some(Some(msg)) = sub.next().now_or_never() {
+                    while let Some(msg) = self.inbox.try_next() {
                         file_ack(&mut self.sent, msg);
                     }
                 }
-                Ok(None) => {
-                    // the subscription ended (the client closed): no ack will come on it, and
-                    // the next publish subscribes anew
-                    self.acks = None;
+                Answer::TimedOut => {
+                    front.ack = Some(Err(PublishError::new(PublishErrorKind::TimedOut)));
+                }
+                Answer::Ended => {
+                    // no ack will come for what is in flight
                     for sent in self.sent.iter_mut().filter(|s| s.ack.is_none()) {
                         sent.ack = Some(Err(PublishError::new(PublishErrorKind::BrokenPipe)));
                     }
                 }
-                Err(_) => front.ack = Some(Err(PublishError::new(PublishErrorKind::TimedOut))),
             }
         }
     }
@@ -535,12 +478,7 @@ impl<'a> Pipeline<'a> {
 /// longer in flight, timed out before, is dropped).
 fn file_ack(sent: &mut VecDeque<Sent>, msg: async_nats::Message) {
     let Some(front) = sent.front() else { return };
-    let Some(id) = msg
-        .subject
-        .rsplit('.')
-        .next()
-        .and_then(|n| n.parse::<u64>().ok())
-    else {
+    let Some(id) = reply_number(&msg) else {
         return;
     };
     let Some(index) = id.checked_sub(front.id) else {
@@ -554,31 +492,10 @@ fn file_ack(sent: &mut VecDeque<Sent>, msg: async_nats::Message) {
     }
 }
 
-/// A publish's outcome from JetStream's answer, as async-nats's `PublishAckFuture` reads it.
-fn read_ack(msg: &async_nats::Message) -> Result<PublishAck, PublishError> {
-    use async_nats::jetstream::ErrorCode;
-    if msg.status == Some(StatusCode::NO_RESPONDERS) {
-        return Err(PublishError::new(PublishErrorKind::StreamNotFound));
-    }
-    let response: Response<PublishAck> = serde_json::from_slice(&msg.payload)
-        .map_err(|e| PublishError::with_source(PublishErrorKind::Other, e))?;
-    match response {
-        Response::Ok(ack) => Ok(ack),
-        Response::Err { error } => Err(match error.error_code() {
-            ErrorCode::STREAM_WRONG_LAST_MESSAGE_ID => {
-                PublishError::with_source(PublishErrorKind::WrongLastMessageId, error)
-            }
-            ErrorCode::STREAM_WRONG_LAST_SEQUENCE => {
-                PublishError::with_source(PublishErrorKind::WrongLastSequence, error)
-            }
-            _ => PublishError::with_source(PublishErrorKind::Other, error),
-        }),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::publish::acks::answer;
 
     fn in_flight(ids: std::ops::Range<u64>) -> VecDeque<Sent> {
         ids.map(|id| Sent {
@@ -594,18 +511,6 @@ mod tests {
             bytes: 10,
         })
         .collect()
-    }
-
-    fn answer(subject: &str, payload: &str, status: Option<StatusCode>) -> async_nats::Message {
-        async_nats::Message {
-            subject: subject.into(),
-            reply: None,
-            payload: payload.to_owned().into(),
-            headers: None,
-            status,
-            description: None,
-            length: payload.len(),
-        }
     }
 
     const OK: &str = r#"{"stream":"S","seq":42,"duplicate":true}"#;
@@ -635,35 +540,5 @@ mod tests {
         }
         assert!(sent[0].ack.is_none() && sent[1].ack.is_none());
         assert!(matches!(sent[2].ack, Some(Ok(_))));
-    }
-
-    #[test]
-    fn answers_are_read_as_jetstream_publish_outcomes() {
-        let kind = |msg| read_ack(&msg).map(|a| a.sequence).map_err(|e| e.kind());
-        assert_eq!(kind(answer("i.1", OK, None)), Ok(42));
-        assert_eq!(
-            kind(answer("i.1", "", Some(StatusCode::NO_RESPONDERS))),
-            Err(PublishErrorKind::StreamNotFound)
-        );
-        let refused = |code: u64| {
-            format!(
-                r#"{{"error":{{"code":400,"err_code":{code},"description":"wrong last sequence: 3"}}}}"#
-            )
-        };
-        assert_eq!(
-            kind(answer("i.1", &refused(10071), None)),
-            Err(PublishErrorKind::WrongLastSequence)
-        );
-        assert_eq!(
-            kind(answer("i.1", &refused(10070), None)),
-            Err(PublishErrorKind::WrongLastMessageId)
-        );
-        // a stream's refusal keeps JetStream's error as its source, for `classify`
-        let full = read_ack(&answer("i.1", &refused(10077), None)).expect_err("a refusal");
-        assert_eq!(full.kind(), PublishErrorKind::Other);
-        let api = std::error::Error::source(&full)
-            .and_then(|s| s.downcast_ref::<async_nats::jetstream::Error>())
-            .map(|e| e.error_code().0);
-        assert_eq!(api, Some(10077));
     }
 }
