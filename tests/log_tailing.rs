@@ -6,12 +6,14 @@ mod support;
 
 use std::collections::{HashMap, HashSet};
 use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use diesel::prelude::*;
 use outbox_diesel::{Outbox, OutboxExt};
 use support::events::{Changed, changed};
+use support::servers::NatsServer;
 use support::slot::Slot;
 use support::{Proc, TestDb, TestStream, by_aggregate, relay_bin, relay_command, wait_until};
 
@@ -206,13 +208,23 @@ async fn many_events_in_one_transaction_arrive_whole_and_in_order() {
 }
 
 /// One transaction of `n` events of one aggregate, each with a 10 kB payload, relayed with
-/// `--lease 3s` and a 1 MiB `--max-batch-bytes`: published one ack round trip at a time, it
-/// takes longer than the lease. The reader used to read it whole (its memory grew with the
+/// `--lease 3s` and a 1 MiB `--max-batch-bytes`, published one ack round trip at a time. The
+/// reader used to read it whole (its memory grew with the
 /// transaction) without a word to its session meanwhile, so PostgreSQL ended the session, the
 /// reader read the same transaction again, and the slot never passed it. Returns the relay's
 /// peak RSS and how long the transaction took, from commit to the slot confirmed past it.
-async fn one_large_transaction(n: u32, check_order: bool) -> (u64, Duration) {
-    let (db, stream) = (TestDb::new(), TestStream::new());
+/// Publishing 20,000 events takes about 2.5 s in a debug build, under the lease: with
+/// `stall_broker` the relay publishes to a broker of its own, frozen for a second after every
+/// quarter of a second for the first four seconds from the commit, so that the transaction
+/// takes longer than the lease however fast the relay and the machine are. Each freeze is shorter than half the lease, and
+/// the relay queries its session before it sends once half the lease has passed.
+async fn one_large_transaction(n: u32, check_order: bool, stall_broker: bool) -> (u64, Duration) {
+    let nats = stall_broker.then(|| Arc::new(NatsServer::start()));
+    let db = TestDb::new();
+    let stream = match &nats {
+        Some(nats) => TestStream::on(&nats.url()),
+        None => TestStream::new(),
+    };
     let slot = Slot::new(&db);
     let tail = relay(
         "relay",
@@ -232,6 +244,20 @@ async fn one_large_transaction(n: u32, check_order: bool) -> (u64, Duration) {
     .execute(&mut db.conn())
     .expect("one transaction");
     let committed = Instant::now();
+    let stalls = nats.map(|nats| {
+        let done = Arc::new(AtomicBool::new(false));
+        let stop = Arc::clone(&done);
+        let thread = std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) && committed.elapsed() < Duration::from_secs(4) {
+                std::thread::sleep(Duration::from_millis(250));
+                nats.pause();
+                std::thread::sleep(Duration::from_secs(1));
+                nats.resume();
+            }
+            nats
+        });
+        (done, thread)
+    });
     let timeout = Duration::from_secs(60 + u64::from(n) / 100);
     let target = db.scalar("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint");
     wait_until(
@@ -249,6 +275,11 @@ async fn one_large_transaction(n: u32, check_order: bool) -> (u64, Duration) {
     )
     .await;
     let took = committed.elapsed();
+    // the broker answers again, and stays up until the stream is read
+    let _nats = stalls.map(|(done, thread)| {
+        done.store(true, Ordering::Relaxed);
+        thread.join().expect("the thread freezing the broker")
+    });
     let peak = tail.peak_rss();
     assert_eq!(stream.count().await, u64::from(n), "exactly {n} messages");
     if check_order {
@@ -278,7 +309,7 @@ const LARGE_TRANSACTION_RSS_BOUND: u64 = 40 << 20;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transaction_longer_than_the_lease_passes_in_bounded_memory() {
-    let (peak, took) = one_large_transaction(20_000, true).await;
+    let (peak, took) = one_large_transaction(20_000, true, true).await;
     assert!(
         took > Duration::from_secs(3),
         "longer than the lease: {took:?}"
@@ -294,7 +325,7 @@ async fn a_transaction_longer_than_the_lease_passes_in_bounded_memory() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "long: 500 MB in one transaction; run with --ignored"]
 async fn long_a_transaction_of_50000_events_longer_than_the_lease_passes_in_bounded_memory() {
-    let (peak, _) = one_large_transaction(50_000, false).await;
+    let (peak, _) = one_large_transaction(50_000, false, false).await;
     assert!(
         peak < LARGE_TRANSACTION_RSS_BOUND,
         "peak RSS {:.1} MiB",
