@@ -1,7 +1,9 @@
 //! Publishing rows: pipelined, in order, never two unacked messages of one
 //! aggregate at once, stopping at the first failure.
 
+use std::collections::hash_map::RandomState;
 use std::collections::{HashSet, VecDeque};
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 use std::sync::atomic::Ordering;
 
 use async_nats::jetstream::context::{PublishError, PublishErrorKind};
@@ -51,8 +53,9 @@ struct Sent {
     ack: Option<Result<PublishAck, PublishError>>,
     seq: i64,
     attempts: i32,
-    /// The row's aggregate; `None` for a row found in the stream, which was not sent.
-    key: Option<(String, String)>,
+    /// The row's aggregate ([`Pipeline::key`]); `None` for a row found in the stream, which
+    /// was not sent.
+    key: Option<u64>,
     /// The subject, when the message carried the fence's expected sequence.
     fenced: Option<String>,
     /// Whether a refusal for a wrong last sequence can only be the fence's: the row's own
@@ -82,7 +85,12 @@ pub(crate) struct Pipeline<'a> {
     inbox: AckInbox,
     /// The rows in flight, in send order, with their acks as they arrive.
     sent: VecDeque<Sent>,
-    keys: HashSet<(String, String)>,
+    /// The aggregates of the rows in flight, each as a 64-bit hash of its type and id
+    /// ([`Pipeline::key`]): one hash per row, no copy of its strings. Two aggregates of one
+    /// hash (with the process's random keys, about one pair in 2^64) only wait for each
+    /// other's acks.
+    keys: HashSet<u64, BuildHasherDefault<Prehashed>>,
+    hasher: RandomState,
     /// The subjects of the fenced messages in flight: two aggregates may share a subject (a
     /// template without `{aggregate_type}`), and the fence allows one unacked message per
     /// subject.
@@ -117,7 +125,8 @@ impl<'a> Pipeline<'a> {
             shutdown,
             inbox: AckInbox::new(js.client()),
             sent: VecDeque::new(),
-            keys: HashSet::new(),
+            keys: HashSet::default(),
+            hasher: RandomState::new(),
             subjects: HashSet::new(),
             stored: HashSet::new(),
             fence,
@@ -184,6 +193,12 @@ impl<'a> Pipeline<'a> {
         self.end.get_or_insert(end);
     }
 
+    /// The row's aggregate as the set of aggregates in flight holds it.
+    fn key(&self, row: &OutboxRow) -> u64 {
+        self.hasher
+            .hash_one((row.aggregate_type.as_str(), row.aggregate_id.as_str()))
+    }
+
     /// Sends `row` once the window has room and no earlier row of its aggregate is unacked
     /// (a row [already stored](Pipeline::already_stored) is settled in its turn instead).
     /// `false` when the pipeline has stopped: the row was not sent, nor will any later one be.
@@ -191,7 +206,7 @@ impl<'a> Pipeline<'a> {
         if self.stored.contains(&row.id) {
             return self.settle_stored(row);
         }
-        let key = (row.aggregate_type.clone(), row.aggregate_id.clone());
+        let key = self.key(row);
         let subject = self.fence.is_some().then(|| {
             self.cfg.subject_template.render(
                 &self.cfg.subject_prefix,
@@ -252,7 +267,7 @@ impl<'a> Pipeline<'a> {
                     seq: row.seq,
                     attempts: row.attempts,
                     created_at: row.created_at,
-                    key: Some(key.clone()),
+                    key: Some(key),
                     fence_only: fenced.is_some() && !own_expectation,
                     fenced: fenced.clone(),
                 });
@@ -420,14 +435,14 @@ impl<'a> Pipeline<'a> {
     }
 
     fn on_ack(&mut self, sent: Sent, result: Result<PublishAck, PublishError>) {
-        let Some(key) = &sent.key else {
+        let Some(key) = sent.key else {
             // found in the stream: published before, by this relay or an earlier one
             self.health.progressed();
             self.acked.push(sent.seq);
             metrics::counter!(m::EVENTS_RECONCILED).increment(1);
             return;
         };
-        self.keys.remove(key);
+        self.keys.remove(&key);
         if let Some(subject) = &sent.fenced {
             self.subjects.remove(subject);
         }
@@ -492,6 +507,27 @@ fn file_ack(sent: &mut VecDeque<Sent>, msg: async_nats::Message) {
     }
 }
 
+/// The hasher of a set of hashes: a value hashed already is its own hash.
+#[derive(Default)]
+struct Prehashed(u64);
+
+impl Hasher for Prehashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // only `u64`s are hashed with it; anything else is folded in, never lost
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -504,7 +540,7 @@ mod tests {
             ack: None,
             seq: id as i64,
             attempts: 0,
-            key: Some(("order".into(), id.to_string())),
+            key: Some(id),
             fenced: None,
             fence_only: false,
             created_at: chrono::Utc::now(),
