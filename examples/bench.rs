@@ -1626,7 +1626,9 @@ enum WriteKind {
     RecordEventNotifyEveryCommit,
 }
 
-/// CPU seconds used so far by every process: pid → (command name, seconds).
+/// CPU seconds used so far by every process: pid → (command name, seconds). A PostgreSQL
+/// process counts its reaped children too: the postmaster's are the backends (and workers)
+/// that have exited, so sessions that end during a run are counted.
 fn cpu_snapshot() -> HashMap<u32, (String, f64)> {
     let mut out = HashMap::new();
     let Ok(dir) = std::fs::read_dir("/proc") else {
@@ -1652,7 +1654,13 @@ fn cpu_snapshot() -> HashMap<u32, (String, f64)> {
                 .and_then(|v| v.parse::<f64>().ok())
                 .unwrap_or(0.0)
         };
-        out.insert(pid, (comm, (ticks(11) + ticks(12)) / 100.0));
+        // cutime and cstime (16 and 17): the children's, once reaped
+        let children = if comm == "postgres" {
+            ticks(13) + ticks(14)
+        } else {
+            0.0
+        };
+        out.insert(pid, (comm, (ticks(11) + ticks(12) + children) / 100.0));
     }
     out
 }
@@ -1694,16 +1702,19 @@ impl CpuUse {
         events: usize,
         own: &[u32],
     ) -> Self {
+        // each kind's total after less its total before: a process gone since (a PostgreSQL
+        // session that ended) is in the postmaster's reaped children's time after
         let mut u = CpuUse::default();
-        for (pid, (comm, secs)) in after {
-            let used = secs - before.get(pid).map_or(0.0, |b| b.1);
-            let per_event = used * 1e6 / events.max(1) as f64;
-            if own.contains(pid) {
-                u.own += per_event;
-            } else if comm == "postgres" {
-                u.postgres += per_event;
-            } else if comm == "nats-server" {
-                u.nats += per_event;
+        for (snapshot, sign) in [(after, 1.0), (before, -1.0)] {
+            for (pid, (comm, secs)) in snapshot {
+                let per_event = sign * secs * 1e6 / events.max(1) as f64;
+                if own.contains(pid) {
+                    u.own += per_event;
+                } else if comm == "postgres" {
+                    u.postgres += per_event;
+                } else if comm == "nats-server" {
+                    u.nats += per_event;
+                }
             }
         }
         u
