@@ -953,13 +953,14 @@ impl Bench {
         println!("| transaction | tx/s | ratio to hand-written insert |");
         println!("|---|---|---|");
         // per kind: tx/s of each round, ratio of each round
-        let mut figures: Vec<(Vec<f64>, Vec<f64>)> = vec![(Vec::new(), Vec::new()); 5];
+        let mut figures: Vec<(Vec<f64>, Vec<f64>)> = vec![(Vec::new(), Vec::new()); 6];
         for _ in 0..repeat {
             let hand = self.writers(WriteKind::HandWritten, secs)?;
             let round = [
                 self.writers(WriteKind::BusinessOnly, secs)?,
                 hand,
                 self.writers(WriteKind::RecordEvent, secs)?,
+                self.writers(WriteKind::RecordEventNotifyOff, secs)?,
                 self.writers_async(secs).await?,
                 self.writers(WriteKind::RecordEventNotifyEveryCommit, secs)?,
             ];
@@ -972,6 +973,7 @@ impl Bench {
             "business INSERT alone",
             "+ hand-written Diesel INSERT of the outbox row",
             "+ `record_event` (sync, default debounced NOTIFY)",
+            "+ `record_event` (sync, NOTIFY off)",
             "+ `record_event` (async, default debounced NOTIFY)",
             "+ `record_event` with NOTIFY on every commit",
         ];
@@ -989,6 +991,7 @@ impl Bench {
             WriteKind::RecordEventNotifyEveryCommit => {
                 Outbox::default().notify(Notify::EveryTransaction)
             }
+            WriteKind::RecordEventNotifyOff => Outbox::default().notify(Notify::Off),
             _ => Outbox::default(),
         });
         let handles: Vec<_> = (0..8)
@@ -1027,6 +1030,7 @@ impl Bench {
                                         .execute(c)?;
                                 }
                                 WriteKind::RecordEvent
+                                | WriteKind::RecordEventNotifyOff
                                 | WriteKind::RecordEventNotifyEveryCommit => {
                                     c.record_event_in(&outbox, &e)?;
                                 }
@@ -1623,6 +1627,7 @@ enum WriteKind {
     BusinessOnly,
     HandWritten,
     RecordEvent,
+    RecordEventNotifyOff,
     RecordEventNotifyEveryCommit,
 }
 
