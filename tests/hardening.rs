@@ -16,8 +16,8 @@ use outbox_diesel::OutboxExt;
 use support::events::{Changed, changed};
 use support::servers::NatsServer;
 use support::{
-    Proc, Relay, TestDb, TestStream, by_aggregate, free_port, http_get, relay_command,
-    relay_with_metrics, wait_published, wait_until,
+    Proc, Relay, TestDb, TestStream, by_aggregate, http_get, relay_command, relay_with_metrics,
+    wait_published, wait_until,
 };
 
 /// Inserts `n` rows of `n` distinct aggregates with plain SQL, in one statement.
@@ -669,52 +669,6 @@ async fn a_table_name_with_a_backslash_and_a_quote_works_without_standard_confor
     assert_eq!(stream.count().await, 10);
 }
 
-/// A private `nats-server -js` on a free port, as a process the test may pause; killed and its
-/// store removed on `Drop`.
-struct PausableNats {
-    proc: Proc,
-    port: u16,
-    dir: std::path::PathBuf,
-}
-
-impl PausableNats {
-    fn start() -> Self {
-        let port = free_port();
-        let dir =
-            std::env::temp_dir().join(format!("outbox-nats-{}", uuid::Uuid::now_v7().simple()));
-        std::fs::create_dir_all(&dir).expect("nats dir");
-        let proc = Proc::spawn(
-            "nats-server",
-            Command::new(support::servers::nats_server_bin())
-                .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
-                .arg(&dir)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null()),
-        );
-        let start = std::time::Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                start.elapsed() < Duration::from_secs(10),
-                "nats-server did not start"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        PausableNats { proc, port, dir }
-    }
-
-    fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
-    }
-}
-
-impl Drop for PausableNats {
-    fn drop(&mut self) {
-        self.proc.signal("CONT");
-        self.proc.kill();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
 /// The backend pids of the relay's publishing sessions.
 fn relay_sessions(db: &TestDb) -> Vec<i32> {
     #[derive(QueryableByName)]
@@ -731,47 +685,58 @@ fn relay_sessions(db: &TestDb) -> Vec<i32> {
     rows.into_iter().map(|p| p.pid).collect()
 }
 
-// 12 (unordered). Acks slower than the lease: the claim transaction holds its rows while it
-// waits, and the idle-in-transaction timeout must not end it and hand them to another worker.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn unordered_claim_survives_acks_slower_than_the_lease() {
+// 12. Acks slower than the lease: a relay waiting for them keeps its session (the unordered
+// mode's claim transaction holds its rows; the ordered mode's session holds its partitions),
+// and the idle timeouts must not end it and hand its work to another relay.
+async fn session_survives_acks_slower_than_the_lease(args: &[&str]) {
     let db = TestDb::new();
-    let nats = PausableNats::start();
+    let nats = NatsServer::start();
     let stream = TestStream::on(&nats.url());
-    let _relay = Proc::spawn(
-        "relay",
-        &mut relay_command(
-            &db,
-            &stream,
-            &["--mode", "unordered", "--workers", "1", "--lease", "3s"],
-        ),
-    );
+    let mut all = vec!["--lease", "3s"];
+    all.extend_from_slice(args);
+    let unordered = args.contains(&"unordered");
+    let _relay = Proc::spawn("relay", &mut relay_command(&db, &stream, &all));
     record(&mut db.conn(), 1, 1);
     wait_published(&db, 1, Duration::from_secs(30)).await;
     let before = relay_sessions(&db);
     assert_eq!(before.len(), 1, "{before:?}");
 
     // JetStream stalls for 4.5 s (within the client's 5 s ack timeout, past the 3 s lease)
-    // right when the worker has claimed and sent a batch
-    nats.proc.signal("STOP");
+    // right when the relay has sent a batch
+    nats.pause();
     record(&mut db.conn(), 20, 5);
-    wait_until(Duration::from_secs(5), "the batch claimed", || async {
-        db.scalar(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'outbox-relay' \
-             AND datname = current_database() AND state = 'idle in transaction'",
-        ) == 1
-    })
-    .await;
+    if unordered {
+        wait_until(Duration::from_secs(5), "the batch claimed", || async {
+            db.scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'outbox-relay' \
+                 AND datname = current_database() AND state = 'idle in transaction'",
+            ) == 1
+        })
+        .await;
+    } else {
+        // woken by the commit's notification, the relay reads and sends the rows at once
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
     tokio::time::sleep(Duration::from_millis(4500)).await;
-    nats.proc.signal("CONT");
+    nats.resume();
 
     wait_published(&db, 21, Duration::from_secs(30)).await;
     assert_eq!(
         relay_sessions(&db),
         before,
-        "the worker's session was ended while it waited for acks"
+        "the relay's session was ended while it waited for acks"
     );
     assert_eq!(stream.count().await, 21);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unordered_claim_survives_acks_slower_than_the_lease() {
+    session_survives_acks_slower_than_the_lease(&["--mode", "unordered", "--workers", "1"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ordered_session_survives_acks_slower_than_the_lease() {
+    session_survives_acks_slower_than_the_lease(&["--no-cleanup"]).await;
 }
 
 // ---------------------------------------------------------------------------------------------

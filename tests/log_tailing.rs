@@ -1266,3 +1266,45 @@ async fn the_slot_lag_in_seconds_is_the_age_of_the_oldest_unconfirmed_commit() {
     nats.restart();
     wait_count(&stream, 1, Duration::from_secs(30)).await;
 }
+
+/// Acks slower than the lease (the broker frozen for 4.5 s, within the client's 5 s ack
+/// timeout, past a 3 s lease): the reader waiting for them keeps its session, which holds the
+/// slot's lock, and its replication connection; PostgreSQL's idle timeout does not end them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reader_keeps_its_session_while_acks_are_slower_than_the_lease() {
+    let nats = support::servers::NatsServer::start();
+    let (db, stream) = (TestDb::new(), TestStream::on(&nats.url()));
+    let slot = Slot::new(&db);
+    let _relay = relay("relay", &db, &stream, &slot, &["--lease", "3s"]);
+    let reader = wait_reader(&db, &slot).await;
+    let sessions = || {
+        db.strings(
+            "SELECT pid::text FROM pg_stat_activity WHERE application_name = 'outbox-relay' \
+             AND datname = current_database() ORDER BY pid",
+        )
+    };
+    let before = sessions();
+    assert!(!before.is_empty());
+
+    nats.pause();
+    db.conn()
+        .transaction(|c| {
+            let events: Vec<Changed> = (0..20)
+                .map(|i| changed(&format!("K{}", i % 5), i))
+                .collect();
+            c.record_events(&events)
+        })
+        .expect("commit");
+    // the reader gets the transaction from the slot at once and sends it; the acks come
+    // within the client's 5 s timeout
+    tokio::time::sleep(Duration::from_millis(4500)).await;
+    nats.resume();
+
+    wait_count(&stream, 20, Duration::from_secs(30)).await;
+    assert_eq!(
+        (slot.reader(&db), sessions()),
+        (Some(reader), before),
+        "the reader's sessions were ended while it waited for acks"
+    );
+    assert_eq!(stream.count().await, 20);
+}

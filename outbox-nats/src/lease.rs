@@ -52,24 +52,38 @@ impl Lease {
     }
 
     /// Runs `work` while keeping `conn`'s session, and the transaction it may be in, clear of
-    /// the idle timeouts of [`Lease::configure`]: a `SELECT 1` every third of the lease, each
-    /// confirming the lease. A relay that waits for slow acks while it holds claimed rows
+    /// the idle timeouts of [`Lease::configure`]: whenever work is still pending a third of the
+    /// lease after the session last answered, a `SELECT 1` confirms the lease. A relay that
+    /// waits for slow acks (or look-ups) while it holds claimed rows, partitions or a slot
     /// keeps them; a paused relay sends nothing and still loses them after the lease.
+    ///
+    /// Work that is done at its first poll costs no timer: the hot path sends a row this way.
     pub(crate) async fn keep_alive<T>(
         &self,
         conn: &mut AsyncPgConnection,
         work: impl std::future::Future<Output = T>,
     ) -> diesel::QueryResult<T> {
         let mut work = std::pin::pin!(work);
-        let every = (self.duration / 3).max(Duration::from_millis(10));
-        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        if let std::task::Poll::Ready(out) =
+            std::future::poll_fn(|cx| std::task::Poll::Ready(work.as_mut().poll(cx))).await
+        {
+            return Ok(out);
+        }
         loop {
+            let due = self.renewal_due();
             tokio::select! {
+                biased;
                 out = &mut work => return Ok(out),
-                _ = tick.tick() => self.renew(conn).await?,
+                _ = tokio::time::sleep_until(due.into()) => self.renew(conn).await?,
             }
         }
+    }
+
+    /// When the session should be queried next: a third of the lease after it last answered
+    /// (at once when it never did).
+    fn renewal_due(&self) -> Instant {
+        let confirmed = *self.confirmed.lock().unwrap_or_else(|e| e.into_inner());
+        confirmed.map_or_else(Instant::now, |t| t + self.duration / 3)
     }
 
     /// Queries the session now: its answer confirms the lease from the moment it was asked.
@@ -86,12 +100,7 @@ impl Lease {
         &self,
         conn: &mut AsyncPgConnection,
     ) -> diesel::QueryResult<()> {
-        let due = self
-            .confirmed
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_none_or(|t| t.elapsed() >= self.duration / 3);
-        if due {
+        if self.renewal_due() <= Instant::now() {
             self.renew(conn).await?;
         }
         Ok(())

@@ -211,8 +211,26 @@ impl OrderedRelay {
                 debug!(recorded, fetched = fetched.len(), "recorded and fetched");
                 Ok::<_, diesel::result::Error>(fetched)
             };
-            let (fetched, _) = tokio::join!(queries, pipe.send_all(&sending).instrument(span));
-            let fetched = fetched?;
+            // the queries end first as a rule; sending on past them (acks slower than the
+            // queries, a stalled broker) keeps the session that holds the partitions
+            let fetched = {
+                let mut send = std::pin::pin!(pipe.send_all(&sending).instrument(span));
+                let mut sent = false;
+                let fetched = {
+                    let mut queries = std::pin::pin!(queries);
+                    loop {
+                        tokio::select! {
+                            biased;
+                            fetched = &mut queries => break fetched?,
+                            _ = &mut send, if !sent => sent = true,
+                        }
+                    }
+                };
+                if !sent {
+                    lease.keep_alive(conn, send).await?;
+                }
+                fetched
+            };
             if !fetched.is_empty() {
                 metrics::histogram!(m::BATCH_ROWS).record(fetched.len() as f64);
                 average_payload = average_payload_len(&fetched);
@@ -232,7 +250,7 @@ impl OrderedRelay {
             }
             // rows old enough to have been published by a relay that did not record them are
             // looked up first; those in the stream count as acked in their turn, not sent
-            match lookups.stored(&fetched).await {
+            match lease.keep_alive(conn, lookups.stored(&fetched)).await? {
                 Ok(stored) => pipe.already_stored(stored),
                 Err(e) => {
                     warn!(error = %e, "rows in doubt cannot be looked up; retrying");
@@ -255,7 +273,7 @@ impl OrderedRelay {
                     idle(conn, cfg, &self.shutdown, next_balance, found).await;
                 } else {
                     // caught up: let the last acks arrive, record them on the next step
-                    pipe.drain().await;
+                    lease.keep_alive(conn, pipe.drain()).await?;
                 }
             }
         }
@@ -409,9 +427,16 @@ impl Holding<'_> {
     /// was acked; then reads on from what is recorded: afterwards the relay holds no row, and
     /// may hand a partition over.
     async fn flush(&mut self, conn: &mut AsyncPgConnection) -> diesel::QueryResult<()> {
-        self.pipe.send_all(&self.queue).await;
+        let lease = self.pipe.lease();
+        let pipe = &mut self.pipe;
+        let queue = &self.queue;
+        lease
+            .keep_alive(conn, async {
+                pipe.send_all(queue).await;
+                pipe.drain().await;
+            })
+            .await?;
         self.queue.clear();
-        self.pipe.drain().await;
         self.progress.acked(&self.pipe.take_acked());
         let started = Instant::now();
         let recorded = self.progress.record(conn, self.pipe.config(), true).await?;

@@ -49,7 +49,11 @@ impl TailingRelay {
                 .filter(|r| !parked.contains(&r.seq))
                 .collect();
             // rows a polling relay may have published without marking them
-            let stored = match self.reconciler.lookups().stored(&rows).await {
+            // the session that holds the slot's lock is kept while the broker answers slowly
+            let stored = match lease
+                .keep_alive(conn, self.reconciler.lookups().stored(&rows))
+                .await?
+            {
                 Ok(stored) => stored,
                 Err(e) => {
                     warn!(error = %e, "rows in doubt cannot be looked up; retrying");
@@ -59,16 +63,20 @@ impl TailingRelay {
                     continue;
                 }
             };
-            let (acked, end) = crate::publish::pipeline::publish_batch(
-                &self.js,
-                cfg,
-                &rows,
-                stored,
-                lease,
-                &self.health,
-                &self.shutdown,
-            )
-            .await;
+            let (acked, end) = lease
+                .keep_alive(
+                    conn,
+                    crate::publish::pipeline::publish_batch(
+                        &self.js,
+                        cfg,
+                        &rows,
+                        stored,
+                        lease,
+                        &self.health,
+                        &self.shutdown,
+                    ),
+                )
+                .await?;
             match end {
                 BatchEnd::Done if acked.len() == rows.len() => {
                     after = last;

@@ -231,7 +231,7 @@ impl TailingRelay {
             let room = cfg.max_batch_bytes.saturating_sub(window.bytes);
             if room == 0 && !pipe.is_empty() {
                 // the budget is spent on events in flight: the oldest ack frees some
-                pipe.next_ack().await;
+                lease.keep_alive(conn, pipe.next_ack()).await?;
                 self.confirm(conn, reader, &mut window, &mut pipe, &mut state)
                     .await?;
                 if !pipe.stopped() {
@@ -280,7 +280,7 @@ impl TailingRelay {
                     }
                     window.caught_up_to = window.caught_up_to.max(batch.caught_up_to);
                     // nothing new: let the acks in flight arrive
-                    pipe.drain().await;
+                    lease.keep_alive(conn, pipe.drain()).await?;
                 }
                 if !pipe.stopped() {
                     self.confirm(conn, reader, &mut window, &mut pipe, &mut state)
@@ -294,7 +294,7 @@ impl TailingRelay {
                 }
             }
             // a failure: what is in flight still counts, the rest comes again
-            pipe.drain().await;
+            lease.keep_alive(conn, pipe.drain()).await?;
             self.confirm(conn, reader, &mut window, &mut pipe, &mut state)
                 .await?;
             let end = pipe.take_end();
@@ -344,7 +344,7 @@ impl TailingRelay {
             }
         }
         // stopping: the acks in flight still count
-        pipe.drain().await;
+        lease.keep_alive(conn, pipe.drain()).await?;
         self.confirm(conn, reader, &mut window, &mut pipe, &mut state)
             .await?;
         Ok(())
@@ -371,9 +371,12 @@ impl TailingRelay {
     ) -> Result<(), WalError> {
         let first = window.add(batch, parked);
         if !pipe.stopped() {
-            match lookups
-                .stored(window.rows.range(first..).map(|(r, _)| r))
-                .await
+            match lease
+                .keep_alive(
+                    conn,
+                    lookups.stored(window.rows.range(first..).map(|(r, _)| r)),
+                )
+                .await?
             {
                 Ok(stored) => pipe.already_stored(stored),
                 Err(e) => {
@@ -382,8 +385,12 @@ impl TailingRelay {
                 }
             }
         }
-        pipe.look_up(window.rows.range(first..).map(|(r, _)| r))
-            .await;
+        lease
+            .keep_alive(
+                conn,
+                pipe.look_up(window.rows.range(first..).map(|(r, _)| r)),
+            )
+            .await?;
         for (row, _) in window.rows.range(first..) {
             if pipe.stopped() {
                 break;
@@ -391,7 +398,8 @@ impl TailingRelay {
             if !lease.is_valid() {
                 lease.renew(conn).await?;
             }
-            pipe.send(row).await;
+            // a row waits for acks while the window is full: the session is kept meanwhile
+            lease.keep_alive(conn, pipe.send(row)).await?;
         }
         Ok(())
     }
