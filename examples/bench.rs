@@ -92,6 +92,11 @@ struct Args {
     /// `log-tailing` or `1 partition`).
     #[arg(long, value_delimiter = ',')]
     runs: Vec<String>,
+    /// Only the section 1 run of exactly this name (repeatable; names contain commas, so
+    /// `--runs` cannot pick one of those whose names contain another's), e.g.
+    /// `--run "ordered, 1 partition, 1 relay"`.
+    #[arg(long)]
+    run: Vec<String>,
     /// Sections 2 to 4 on the outbox turned into a ring of four partitions
     /// (`outbox_diesel::partition_table`, blocks of 1,000,000 rows), and every run of section 1.
     #[arg(long)]
@@ -514,11 +519,21 @@ impl Bench {
                 false,
             ),
         ];
+        if let Some(unknown) = self
+            .args
+            .run
+            .iter()
+            .find(|f| !runs.iter().any(|r| r.name == f.as_str()))
+        {
+            let names: Vec<&str> = runs.iter().map(|r| r.name).collect();
+            anyhow::bail!("--run {unknown:?} names no run; the runs are: {names:#?}");
+        }
         let logical = self.wal_level()? == "logical";
         for r in runs {
-            if !self.args.runs.is_empty()
-                && !self.args.runs.iter().any(|f| r.name.contains(f.as_str()))
-            {
+            let picked = (self.args.runs.is_empty() && self.args.run.is_empty())
+                || self.args.runs.iter().any(|f| r.name.contains(f.as_str()))
+                || self.args.run.iter().any(|f| r.name == f.as_str());
+            if !picked {
                 continue;
             }
             if r.mode == ModeKind::LogTailing && !logical {
