@@ -9,8 +9,8 @@ use uuid::Uuid;
 
 use crate::OutboxTable;
 
-/// The multi-row insert: one statement with six array parameters, whatever the row count, so
-/// that its prepared statement is cached.
+/// The insert: one statement with six array parameters, whatever the row count, so that its
+/// prepared statement is cached; one event is a plain `VALUES` row (a second cached statement).
 #[derive(Debug)]
 pub(crate) struct InsertEvents {
     table: OutboxTable,
@@ -45,6 +45,33 @@ impl QueryFragment<Pg> for InsertEvents {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         out.push_sql("INSERT INTO ");
         self.table.walk_ast(&mut out)?;
+        if let ([id], [t], [a], [e], [p], [h]) = (
+            &self.ids[..],
+            &self.aggregate_types[..],
+            &self.aggregate_ids[..],
+            &self.event_types[..],
+            &self.payloads[..],
+            &self.headers[..],
+        ) {
+            // one event (the common `record_event`): plain values, no arrays to build and
+            // unnest
+            out.push_sql(
+                " (id, aggregate_type, aggregate_id, event_type, payload, headers) VALUES (",
+            );
+            out.push_bind_param::<SqlUuid, _>(id)?;
+            out.push_sql(", ");
+            out.push_bind_param::<Text, _>(t)?;
+            out.push_sql(", ");
+            out.push_bind_param::<Text, _>(a)?;
+            out.push_sql(", ");
+            out.push_bind_param::<Text, _>(e)?;
+            out.push_sql(", ");
+            out.push_bind_param::<Text, _>(p)?;
+            out.push_sql("::jsonb, ");
+            out.push_bind_param::<Text, _>(h)?;
+            out.push_sql("::jsonb)");
+            return Ok(());
+        }
         out.push_sql(
             " (id, aggregate_type, aggregate_id, event_type, payload, headers) \
              SELECT i, t, a, e, p::jsonb, h::jsonb FROM unnest(",
