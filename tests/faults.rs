@@ -106,7 +106,22 @@ impl Mode {
 /// A test database whose outbox keeps a record of every row a relay deletes: the checker and
 /// the scenarios read [`checker::RECORD_VIEW`], the outbox rows and the deleted ones, so that
 /// a deleting relay is held to the same promise as a marking one.
+///
+/// With `OUTBOX_FAULT_ROTATED=<rows>` set, the outbox is made a ring first
+/// (`partition_table`: four partitions, blocks of that many rows, at least 1,000): every scenario
+/// then runs on a rotated table.
 fn fault_db(db: TestDb) -> TestDb {
+    if let Some(block) = std::env::var("OUTBOX_FAULT_ROTATED")
+        .ok()
+        .and_then(|v| v.parse::<i64>().ok())
+    {
+        outbox_diesel::partition_table(
+            &mut db.conn(),
+            &outbox_diesel::OutboxTable::DEFAULT,
+            outbox_diesel::Rotation::default().block_rows(block),
+        )
+        .expect("the outbox made a ring of partitions");
+    }
     checker::keep_deleted_rows(&db);
     db
 }

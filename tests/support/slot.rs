@@ -27,11 +27,14 @@ impl Slot {
     }
 
     /// Creates the publication `outbox_pub` and the slot now, as the relay would: what
-    /// commits from here on is captured even before a relay runs.
+    /// commits from here on is captured even before a relay runs. The publication sends a
+    /// partitioned table's rows under the table's own name, as the relay requires of a
+    /// rotated table.
     pub fn create(db: &TestDb) -> Self {
         let slot = Slot::new(db);
         diesel::sql_query(
-            "CREATE PUBLICATION outbox_pub FOR TABLE outbox WITH (publish = 'insert, update')",
+            "CREATE PUBLICATION outbox_pub FOR TABLE outbox \
+             WITH (publish = 'insert, update', publish_via_partition_root = true)",
         )
         .execute(&mut db.conn())
         .expect("the publication");
