@@ -570,7 +570,7 @@ impl NatsCluster {
         self.wait_ready();
     }
 
-    /// Waits (up to 30 s) until JetStream answers through the running nodes.
+    /// Waits (up to 60 s) until JetStream answers through the running nodes.
     pub fn wait_ready(&self) {
         let urls: Vec<String> = (0..self.nodes.len())
             .filter(|i| self.nodes[*i].proc.is_some())
@@ -623,7 +623,7 @@ impl NatsCluster {
         .expect("cluster readiness thread");
         assert!(
             ready,
-            "the NATS cluster has no JetStream meta leader after 30 s"
+            "the NATS cluster has no JetStream meta leader after 60 s"
         );
     }
 
