@@ -45,6 +45,7 @@ impl QueryFragment<Pg> for InsertEvents {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         out.push_sql("INSERT INTO ");
         self.table.walk_ast(&mut out)?;
+        out.push_sql(" (id, aggregate_type, aggregate_id, event_type, payload, headers) ");
         if let ([id], [t], [a], [e], [p], [h]) = (
             &self.ids[..],
             &self.aggregate_types[..],
@@ -55,9 +56,7 @@ impl QueryFragment<Pg> for InsertEvents {
         ) {
             // one event (the common `record_event`): plain values, no arrays to build and
             // unnest
-            out.push_sql(
-                " (id, aggregate_type, aggregate_id, event_type, payload, headers) VALUES (",
-            );
+            out.push_sql("VALUES (");
             out.push_bind_param::<SqlUuid, _>(id)?;
             out.push_sql(", ");
             out.push_bind_param::<Text, _>(t)?;
@@ -72,10 +71,7 @@ impl QueryFragment<Pg> for InsertEvents {
             out.push_sql("::jsonb)");
             return Ok(());
         }
-        out.push_sql(
-            " (id, aggregate_type, aggregate_id, event_type, payload, headers) \
-             SELECT i, t, a, e, p::jsonb, h::jsonb FROM unnest(",
-        );
+        out.push_sql("SELECT i, t, a, e, p::jsonb, h::jsonb FROM unnest(");
         out.push_bind_param::<Array<SqlUuid>, _>(&self.ids)?;
         out.push_sql("::uuid[], ");
         out.push_bind_param::<Array<Text>, _>(&self.aggregate_types)?;
