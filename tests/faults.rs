@@ -111,10 +111,10 @@ impl Mode {
 /// (`partition_table`: four partitions, blocks of that many rows, at least 1,000): every scenario
 /// then runs on a rotated table.
 fn fault_db(db: TestDb) -> TestDb {
-    if let Some(block) = std::env::var("OUTBOX_FAULT_ROTATED")
-        .ok()
-        .and_then(|v| v.parse::<i64>().ok())
-    {
+    if let Ok(v) = std::env::var("OUTBOX_FAULT_ROTATED") {
+        let block: i64 = v.parse().unwrap_or_else(|_| {
+            panic!("OUTBOX_FAULT_ROTATED={v:?}: give the block size in rows, e.g. 1000")
+        });
         outbox_diesel::partition_table(
             &mut db.conn(),
             &outbox_diesel::OutboxTable::DEFAULT,
