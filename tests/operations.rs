@@ -271,6 +271,16 @@ async fn metrics_show_the_backlog_rising_while_nats_is_down_and_falling_to_zero_
 /// window fires the guard, and it clears once the row is published.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dedup_window_guard_covers_in_doubt_rows() {
+    dedup_window_guard(&[]).await;
+}
+
+/// The same with 4 partitions, whose gauges add up to the table's in one pass.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dedup_window_guard_covers_in_doubt_rows_of_a_partitioned_table() {
+    dedup_window_guard(&["--partitions", "4"]).await;
+}
+
+async fn dedup_window_guard(extra: &[&str]) {
     let stream = TestStream::new();
     let db = TestDb::new();
     // parked after 2 failed attempts, recorded a minute ago
@@ -280,11 +290,9 @@ async fn dedup_window_guard_covers_in_doubt_rows() {
          'order.placed', '{}', now() - interval '1 minute', 2, 'timed out', now())",
         "insert an in-doubt row",
     );
-    let (relay, addr) = relay_with_metrics(
-        &db,
-        &stream,
-        &["--duplicate-window", "5s", "--stats-interval", "200ms"],
-    );
+    let mut args = vec!["--duplicate-window", "5s", "--stats-interval", "200ms"];
+    args.extend_from_slice(extra);
+    let (relay, addr) = relay_with_metrics(&db, &stream, &args);
     let t = Duration::from_secs(30);
     let body = wait_metric(
         &addr,

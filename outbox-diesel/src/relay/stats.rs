@@ -105,28 +105,63 @@ pub async fn partition_backlog(
     .await
 }
 
-/// The backlog of `table` and of each of its `count` partitions, read from one snapshot, so
-/// that the partitions' figures add up to the table's (see [`backlog`] and
-/// [`partition_backlog`]).
+/// A partition's backlog with its rows in doubt, which [`backlogs`] adds up to the table's.
+#[derive(QueryableByName)]
+struct PartitionFigures {
+    #[diesel(embed)]
+    backlog: PartitionBacklog,
+    #[diesel(sql_type = BigInt)]
+    in_doubt: i64,
+    #[diesel(sql_type = diesel::sql_types::Double)]
+    oldest_in_doubt_age_seconds: f64,
+}
+
+/// The backlog of `table` and of each of its `count` partitions (see [`backlog`] and
+/// [`partition_backlog`]), read in one pass over the unpublished rows: the table's figures
+/// are its partitions' added up (the counts summed, the oldest ages the greatest), so they
+/// agree, and the rows are read once (a relay reads its backlog every `--stats-interval`,
+/// which a backlog of millions makes a scan of millions).
 pub async fn backlogs(
     conn: &mut AsyncPgConnection,
     table: &OutboxTable,
     count: u32,
 ) -> QueryResult<(Backlog, Vec<PartitionBacklog>)> {
-    diesel::sql_query("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
-        .execute(conn)
-        .await?;
-    let read: QueryResult<(Backlog, Vec<PartitionBacklog>)> = async {
-        let total = backlog(conn, table).await?;
-        let parts = partition_backlog(conn, table, count).await?;
-        Ok((total, parts))
-    }
-    .await;
-    let end = if read.is_ok() { "COMMIT" } else { "ROLLBACK" };
-    let ended = diesel::sql_query(end).execute(conn).await;
-    let read = read?;
-    ended?;
-    Ok(read)
+    let cov = Coverage::of(conn, table).await?;
+    let parts: Vec<PartitionFigures> = diesel::sql_query(format!(
+        "{}SELECT p.partition, COALESCE(b.unpublished, 0) AS unpublished, \
+         COALESCE(b.oldest_age_seconds, 0)::float8 AS oldest_age_seconds, \
+         COALESCE(b.parked, 0) AS parked, COALESCE(b.in_doubt, 0) AS in_doubt, \
+         COALESCE(b.oldest_in_doubt_age_seconds, 0)::float8 AS oldest_in_doubt_age_seconds \
+         FROM generate_series(0, $1 - 1) AS p(partition) LEFT JOIN ( \
+         SELECT o.aggregate_hash % $1 AS partition, count(*) AS unpublished, \
+         EXTRACT(EPOCH FROM now() - min(o.created_at))::float8 AS oldest_age_seconds, \
+         count(*) FILTER (WHERE {PARKED}) AS parked, \
+         count(*) FILTER (WHERE o.attempts > 0) AS in_doubt, \
+         EXTRACT(EPOCH FROM now() - min(o.created_at) FILTER (WHERE o.attempts > 0))::float8 \
+         AS oldest_in_doubt_age_seconds \
+         FROM {} GROUP BY 1) b USING (partition) ORDER BY 1",
+        cov.with(),
+        cov.unpublished(table)
+    ))
+    .bind::<Integer, _>(count.max(1) as i32)
+    .load(conn)
+    .await?;
+    // the oldest of the partitions that have such rows (0 when none has)
+    let oldest = |age: &dyn Fn(&PartitionFigures) -> Option<f64>| {
+        parts.iter().filter_map(age).reduce(f64::max).unwrap_or(0.0)
+    };
+    let total = Backlog {
+        unpublished: parts.iter().map(|p| p.backlog.unpublished).sum(),
+        oldest_age_seconds: oldest(&|p| {
+            (p.backlog.unpublished > 0).then_some(p.backlog.oldest_age_seconds)
+        }),
+        parked: parts.iter().map(|p| p.backlog.parked).sum(),
+        in_doubt: parts.iter().map(|p| p.in_doubt).sum(),
+        oldest_in_doubt_age_seconds: oldest(&|p| {
+            (p.in_doubt > 0).then_some(p.oldest_in_doubt_age_seconds)
+        }),
+    };
+    Ok((total, parts.into_iter().map(|p| p.backlog).collect()))
 }
 
 /// What vacuum knows of the outbox table (`pg_stat_user_tables`): dead rows slow the poll
