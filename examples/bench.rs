@@ -168,6 +168,8 @@ struct Run {
     ring: Option<i64>,
     /// cleanup on, `--retention 0s`, and the run's CPU counted until the table is empty
     cleanup: bool,
+    /// with the partition index of `partitions` (`outbox-relay index`)
+    indexed: bool,
 }
 
 struct Bench {
@@ -417,6 +419,7 @@ impl Bench {
             delete,
             ring: None,
             cleanup: false,
+            indexed: false,
         };
         let runs = [
             run(
@@ -486,6 +489,17 @@ impl Bench {
                 2,
                 false,
             ),
+            Run {
+                indexed: true,
+                ..run(
+                    "ordered, 4 partitions, 2 relays, partition index",
+                    ModeKind::Ordered,
+                    4,
+                    1,
+                    2,
+                    false,
+                )
+            },
             run(
                 "ordered, 4 partitions, 2 relays, --delete-published",
                 ModeKind::Ordered,
@@ -494,6 +508,17 @@ impl Bench {
                 2,
                 true,
             ),
+            Run {
+                indexed: true,
+                ..run(
+                    "ordered, 4 partitions, 2 relays, --delete-published, partition index",
+                    ModeKind::Ordered,
+                    4,
+                    1,
+                    2,
+                    true,
+                )
+            },
             run(
                 "ordered, 8 partitions, 4 relays",
                 ModeKind::Ordered,
@@ -502,6 +527,17 @@ impl Bench {
                 4,
                 false,
             ),
+            Run {
+                indexed: true,
+                ..run(
+                    "ordered, 8 partitions, 4 relays, partition index",
+                    ModeKind::Ordered,
+                    8,
+                    1,
+                    4,
+                    false,
+                )
+            },
             run(
                 "unordered, 4 workers, 1 relay",
                 ModeKind::Unordered,
@@ -553,6 +589,7 @@ impl Bench {
             for _ in 0..repeat {
                 // a ring made anew each time, so that the backlog starts at its first block
                 self.rotate_outbox(ring)?;
+                self.partition_index(r.indexed.then_some(r.partitions))?;
                 let (baseline, b) = self.raw_publish(n).await?;
                 let (lean, l) = self.raw_publish_lean(n).await?;
                 let (rate, c) = self.relay_run(n, &r).await?;
@@ -586,6 +623,29 @@ impl Bench {
             );
         }
         self.rotate_outbox(self.args.rotated.then_some(1_000_000))?;
+        self.partition_index(None)?;
+        Ok(())
+    }
+
+    /// Drops the outbox's partition indexes, and makes that of `partitions` partitions, if any
+    /// (`outbox_diesel::create_partition_index`, as `outbox-relay index` does).
+    fn partition_index(&self, partitions: Option<u32>) -> Result<()> {
+        use diesel::RunQueryDsl;
+        let mut conn = PgConnection::establish(&self.db_url)?;
+        diesel::sql_query(
+            "DO $$ DECLARE i text; BEGIN FOR i IN SELECT indexrelid::regclass::text \
+             FROM pg_index WHERE indrelid = 'outbox'::regclass \
+             AND indexrelid::regclass::text LIKE 'outbox\\_ready\\_p%' \
+             LOOP EXECUTE 'DROP INDEX ' || i; END LOOP; END $$",
+        )
+        .execute(&mut conn)?;
+        if let Some(n) = partitions {
+            outbox_diesel::create_partition_index(
+                &mut conn,
+                &outbox_diesel::OutboxTable::DEFAULT,
+                n,
+            )?;
+        }
         Ok(())
     }
 

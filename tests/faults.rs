@@ -54,6 +54,19 @@ enum Mode {
 }
 
 impl Mode {
+    /// [`Mode::relay_args`], the partition index made first when the mode has it.
+    fn table_args(self, db: &TestDb) -> Vec<String> {
+        if self.indexed() {
+            outbox_diesel::create_partition_index(
+                &mut db.conn(),
+                &outbox_diesel::OutboxTable::DEFAULT,
+                4,
+            )
+            .expect("the partition index");
+        }
+        self.relay_args()
+    }
+
     fn relay_args(self) -> Vec<String> {
         let args: &[&str] = match self {
             Mode::Ordered => &["--partitions", "4", "--batch-size", "50"],
@@ -89,12 +102,25 @@ impl Mode {
     /// writer starts, so that it captures every commit (declare it before the relays, so that
     /// it is dropped after them and before the database).
     fn setup(self, db: &TestDb) -> (Vec<String>, Option<Slot>) {
-        let mut args = self.relay_args();
+        let mut args = self.table_args(db);
         let slot = (self == Mode::LogTailing).then(|| Slot::create(db));
         if let Some(slot) = &slot {
             args.extend(["--slot".to_owned(), slot.name.clone()]);
         }
         (args, slot)
+    }
+
+    /// Whether its table has the partition index of its count (`outbox-relay index`): the
+    /// marking relays read each partition they own by it, the deleting ones walk every
+    /// partition's rows by `seq`. `OUTBOX_FAULT_PARTITION_INDEX=all` gives it to both,
+    /// `none` to neither.
+    fn indexed(self) -> bool {
+        match std::env::var("OUTBOX_FAULT_PARTITION_INDEX").as_deref() {
+            Err(_) => self == Mode::Ordered,
+            Ok("all") => self.partitioned(),
+            Ok("none") => false,
+            Ok(v) => panic!("OUTBOX_FAULT_PARTITION_INDEX={v:?}: give all or none"),
+        }
     }
 
     /// Whether its relays share partitions.
@@ -799,7 +825,7 @@ async fn paused_relay(test: &str, mode: Mode, size: Size, pauses: usize) {
     let _serial = SERIAL.lock().await;
     let (db, stream, logs) = (fault_db(TestDb::new()), TestStream::new(), Logs::new(test));
     let mut rng = Rng::new(test);
-    let mut args = mode.relay_args();
+    let mut args = mode.table_args(&db);
     args.extend(["--lease".to_string(), format!("{}s", LEASE.as_secs())]);
     let relays = Relays::start(&db, &stream, &logs, args, 2);
     let mut w = steady_writer(&db, &logs, size);
@@ -1205,7 +1231,7 @@ async fn paused_past_the_window(test: &str, fence: bool) -> (Report, usize) {
     let window = short_window_stream(&stream).await;
     let proxy = NatsProxy::start(&stream.nats_url);
     let mut rng = Rng::new(test);
-    let mut args = Mode::Ordered.relay_args();
+    let mut args = Mode::Ordered.table_args(&db);
     args.extend(["--lease".to_string(), format!("{}s", LEASE.as_secs())]);
     if fence {
         args.push("--fence".into());

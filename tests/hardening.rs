@@ -1316,6 +1316,218 @@ async fn one_statement_reads_partitions_at_different_cursors_each_row_once() {
     }
 }
 
+/// The rows the plan's scan of `index` read and dropped by its filter (`None`: no such scan).
+fn removed_by_filter(plan: &str, index: &str) -> Option<u64> {
+    let mut lines = plan.lines();
+    lines.find(|l| l.contains(&format!("using {index} on")))?;
+    let removed = lines
+        .take_while(|l| !l.contains("->"))
+        .find_map(|l| l.trim().strip_prefix("Rows Removed by Filter: "))
+        .map_or(0, |n| n.parse().unwrap_or(u64::MAX));
+    Some(removed)
+}
+
+// 37. A relay that owns some of the partitions walked every partition's rows by `seq` and
+// passed over the others' (each a heap fetch: two relays read every row twice). With the
+// partition index of its count, it reads each partition it owns by that index from its own
+// cursor: the rows of its partitions only, each once, in `seq` order per partition, each
+// partition within its share of the row limit and the byte budget, late rows as before.
+#[tokio::test]
+async fn partitions_owned_are_read_by_the_partition_index_each_from_its_own_cursor() {
+    use outbox_diesel::relay::{
+        Cursor, Partitioning, Source, explain_batches_analyze_in, fetch_batches_in,
+        has_partition_index,
+    };
+    let db = TestDb::new();
+    let table = outbox_diesel::OutboxTable::DEFAULT;
+    insert_rows_over(&db, 400, 40);
+    let mut conn = db.relay_session().await;
+    assert!(
+        !has_partition_index(&mut conn, &table, 4)
+            .await
+            .expect("look")
+    );
+    assert!(outbox_diesel::create_partition_index(&mut db.conn(), &table, 4).expect("index"));
+    assert!(
+        !outbox_diesel::create_partition_index(&mut db.conn(), &table, 4).expect("index"),
+        "made once"
+    );
+    assert!(
+        has_partition_index(&mut conn, &table, 4)
+            .await
+            .expect("look")
+    );
+    assert!(
+        !has_partition_index(&mut conn, &table, 8)
+            .await
+            .expect("look"),
+        "one partition count's index serves no other"
+    );
+    let indexed = Partitioning::new(4).indexed(true);
+    let mine = |p: u32| seqs_where(&db, &format!("aggregate_hash % 4 = {p}"));
+
+    // the plan: partitions 1 and 3 by the partition index, no row of 0 and 2 read; without
+    // it, the walk by `seq` passes over theirs
+    let some = [(1, Cursor::start()), (3, Cursor::start())];
+    let plan = explain_batches_analyze_in(&mut conn, &table, indexed, &some, 1_000)
+        .await
+        .expect("explain")
+        .join("\n");
+    assert_eq!(
+        removed_by_filter(&plan, "outbox_ready_p4"),
+        Some(0),
+        "{plan}"
+    );
+    let walked = explain_batches_analyze_in(&mut conn, &table, Partitioning::new(4), &some, 1_000)
+        .await
+        .expect("explain")
+        .join("\n");
+    let others = seqs_where(&db, "aggregate_hash % 4 IN (0, 2)").len() as u64;
+    assert_eq!(
+        removed_by_filter(&walked, "outbox_ready"),
+        Some(others),
+        "{walked}"
+    );
+
+    // 8 rows a batch: 4 for each partition, each cursor at its own last row; to the end,
+    // every row of the two partitions once, in `seq` order per partition
+    let mut cursors = some.to_vec();
+    let mut got: HashMap<u32, Vec<i64>> = HashMap::new();
+    let mut first = true;
+    loop {
+        let batches = fetch_batches_in(&mut conn, &table, indexed, &cursors, &[], 8, i64::MAX)
+            .await
+            .expect("fetch");
+        let read: usize = batches.iter().map(|(_, b)| b.rows.len()).sum();
+        for (p, b) in &batches {
+            let rows = seqs_of(b, Source::Next);
+            assert!(
+                rows.len() <= 4,
+                "partition {p}: {} rows of a share of 4",
+                rows.len()
+            );
+            if first {
+                assert_eq!(rows, mine(*p)[..4].to_vec(), "partition {p}'s first 4");
+                assert_eq!(
+                    b.next.upto_seq, rows[3],
+                    "partition {p}'s cursor at its 4th"
+                );
+            }
+            got.entry(*p).or_default().extend(rows);
+        }
+        first = false;
+        cursors = batches.into_iter().map(|(p, b)| (p, b.next)).collect();
+        if read == 0 {
+            break;
+        }
+    }
+    for p in [1, 3] {
+        assert_eq!(
+            got[&p],
+            mine(p),
+            "partition {p}: its rows, each once, in order"
+        );
+    }
+
+    // a partition read to its end moves as far as the other went: 10 rows in partition 1,
+    // one in partition 3
+    let of = |p: i64| {
+        db.scalar(&format!(
+            "SELECT min(i) FROM generate_series(0, 999) AS i \
+             WHERE ('x' || substr(md5('k-' || i), 1, 7))::bit(28)::integer % 4 = {p}"
+        ))
+    };
+    let (a1, a3) = (of(1), of(3));
+    diesel::connection::SimpleConnection::batch_execute(
+        &mut db.conn(),
+        &format!(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+             SELECT gen_random_uuid(), 'order', 'k-{a1}', 'order.placed', '{{}}' \
+             FROM generate_series(1, 10); \
+             INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+             VALUES (gen_random_uuid(), 'order', 'k-{a3}', 'order.placed', '{{}}')"
+        ),
+    )
+    .expect("insert");
+    let batches = fetch_batches_in(&mut conn, &table, indexed, &cursors, &[], 8, i64::MAX)
+        .await
+        .expect("fetch");
+    let (b1, b3) = (&batches[0].1, &batches[1].1);
+    assert_eq!(seqs_of(b1, Source::Next).len(), 4);
+    assert_eq!(seqs_of(b3, Source::Next).len(), 1);
+    let highest = seqs_of(b1, Source::Next)
+        .into_iter()
+        .chain(seqs_of(b3, Source::Next))
+        .max();
+    assert_eq!(
+        Some(b1.next.upto_seq),
+        seqs_of(b1, Source::Next).last().copied()
+    );
+    assert_eq!(
+        Some(b3.next.upto_seq),
+        highest,
+        "read to its end: as far as any went"
+    );
+    cursors = batches.into_iter().map(|(p, b)| (p, b.next)).collect();
+
+    // the byte budget's share: one byte, each partition's first row
+    let batches = fetch_batches_in(&mut conn, &table, indexed, &cursors, &[], 1_000, 1)
+        .await
+        .expect("fetch");
+    assert_eq!(seqs_of(&batches[0].1, Source::Next).len(), 1);
+    assert_eq!(seqs_of(&batches[1].1, Source::Next), Vec::<i64>::new());
+    cursors = batches.into_iter().map(|(p, b)| (p, b.next)).collect();
+    loop {
+        let batches = fetch_batches_in(&mut conn, &table, indexed, &cursors, &[], 1_000, i64::MAX)
+            .await
+            .expect("fetch");
+        let read: usize = batches.iter().map(|(_, b)| b.rows.len()).sum();
+        cursors = batches.into_iter().map(|(p, b)| (p, b.next)).collect();
+        if read == 0 {
+            break;
+        }
+    }
+
+    // a transaction held open across a batch: its rows come late, to their own partition,
+    // once, and those of partitions 0 and 2 not at all
+    let commit = hold_open(
+        &db,
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), 'order', 'h-' || i, 'order.placed', '{}' \
+         FROM generate_series(1, 40) AS i",
+    );
+    insert_rows_over(&db, 40, 40);
+    let batches = fetch_batches_in(&mut conn, &table, indexed, &cursors, &[], 1_000, i64::MAX)
+        .await
+        .expect("fetch");
+    for (p, b) in &batches {
+        assert_eq!(
+            seqs_of(b, Source::Next),
+            seqs_where(
+                &db,
+                &format!("aggregate_hash % 4 = {p} AND aggregate_id LIKE 'o-%' AND seq > 440")
+            ),
+            "partition {p}: the rows committed after the held ones"
+        );
+    }
+    cursors = batches.into_iter().map(|(p, b)| (p, b.next)).collect();
+    commit();
+    let batches = fetch_batches_in(&mut conn, &table, indexed, &cursors, &[], 1_000, i64::MAX)
+        .await
+        .expect("fetch");
+    for (p, b) in &batches {
+        assert_eq!(seqs_of(b, Source::Next), Vec::<i64>::new());
+        assert_eq!(
+            seqs_of(b, Source::Late),
+            seqs_where(
+                &db,
+                &format!("aggregate_hash % 4 = {p} AND aggregate_id LIKE 'h-%'")
+            ),
+            "partition {p}: the held rows, late, once"
+        );
+    }
+}
+
 // 22. A relay takes over a partition whose cursor is far behind those of the partitions it
 // already reads (they share one walk from the lowest cursor): the walk's row limit counted the
 // rows the other partitions had read before, so the new partition got a batch's worth of the

@@ -67,9 +67,23 @@ fn start_writers(
         .collect()
 }
 
+/// How often PostgreSQL's statistics say `index` was scanned (flushed by the sessions that
+/// scanned it, at most a second after).
+async fn index_scans(db: &TestDb, index: &str) -> i64 {
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    db.scalar(&format!(
+        "SELECT COALESCE((SELECT idx_scan FROM pg_stat_user_indexes \
+         WHERE indexrelname = '{index}'), -1)"
+    ))
+}
+
+/// The relays read their partitions by the partition index of 16 (`outbox-relay index`):
+/// each reads only its own partitions' rows, each partition from its own cursor.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_relays_sixteen_partitions_keep_commit_order_per_aggregate_through_a_kill() {
     let (db, stream) = (TestDb::new(), TestStream::new());
+    let (code, out, err) = cli(&db, &["index", "--partitions", "16"]);
+    assert_eq!(code, 0, "{out}{err}");
     let args = ["--partitions", "16", "--batch-size", "200"];
     let mut relays: Vec<Proc> = (0..3)
         .map(|i| relay(&format!("relay-{i}"), &db, &stream, &args))
@@ -110,6 +124,11 @@ async fn three_relays_sixteen_partitions_keep_commit_order_per_aggregate_through
     let unique: HashSet<i32> = o.iter().map(|(p, _)| *p).collect();
     assert_eq!(unique.len(), o.len(), "a partition with two owners: {o:?}");
     drop(relays);
+
+    assert!(
+        index_scans(&db, "outbox_ready_p16").await > 0,
+        "the relays read by the partition index"
+    );
 
     let got = stream.read_all().await;
     let ids: HashSet<&str> = got.iter().map(|m| m.msg_id.as_str()).collect();
@@ -733,4 +752,91 @@ async fn a_relay_with_another_partition_count_waits_for_the_old_ones() {
         .transaction(|c| c.record_event(&changed("Z", 1)))
         .expect("z");
     wait_published(&db, 1, Duration::from_secs(20)).await;
+}
+
+/// `outbox-relay index` makes the partition index once, refuses a count it does not serve and
+/// a table that is not there; relays running without it say what it would spare them, and
+/// read by it once it is made, publishing on in order.
+#[tokio::test]
+async fn relays_find_the_partition_index_made_while_they_run() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    for (args, says) in [
+        (&["index", "--partitions", "1"][..], "--partitions"),
+        (&["index", "--partitions", "1025"][..], "--partitions"),
+        (&["index"][..], "--partitions"),
+        (
+            &["index", "--partitions", "4", "--table", "nope"][..],
+            "does not exist",
+        ),
+    ] {
+        let (code, out, err) = cli(&db, args);
+        assert_eq!(code, 2, "{args:?}: {out}{err}");
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+    let relays: Vec<support::Relay> = (0..2)
+        .map(|_| {
+            let mut cmd = relay_command(&db, &stream, &["--partitions", "4"]);
+            cmd.env("RUST_LOG", "info");
+            support::Relay::start(cmd)
+        })
+        .collect();
+    wait_until(
+        Duration::from_secs(20),
+        "4 partitions over 2 relays",
+        || async {
+            let o = support::partition_owners(&db);
+            o.len() == 4 && o.iter().filter(|(_, pid)| *pid == o[0].1).count() == 2
+        },
+    )
+    .await;
+    let record = |from: i64| {
+        let mut conn = db.conn();
+        for i in from..from + 100 {
+            conn.transaction(|c| c.record_event(&changed(&format!("a-{}", i % 10), i)))
+                .expect("record");
+        }
+    };
+    record(0);
+    wait_published(&db, 100, Duration::from_secs(30)).await;
+    wait_until(
+        Duration::from_secs(10),
+        "each relay says what the index would spare it",
+        || async {
+            relays
+                .iter()
+                .all(|r| r.logs().contains("outbox-relay index --partitions 4"))
+        },
+    )
+    .await;
+
+    let (code, out, err) = cli(&db, &["index", "--partitions", "4"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("made"), "{out}");
+    let (code, out, err) = cli(&db, &["index", "--partitions", "4"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("already"), "made once: {out}");
+    wait_until(
+        Duration::from_secs(20),
+        "both relays find the index",
+        || async {
+            relays
+                .iter()
+                .all(|r| r.logs().contains("the table has the partition index"))
+        },
+    )
+    .await;
+    record(100);
+    wait_published(&db, 200, Duration::from_secs(30)).await;
+    assert!(
+        index_scans(&db, "outbox_ready_p4").await > 0,
+        "the relays read by the partition index"
+    );
+    drop(relays);
+    let got = stream.read_all().await;
+    assert_eq!(got.len(), 200, "each event once");
+    assert_eq!(
+        by_aggregate(&got),
+        expected_order(&db),
+        "in each aggregate's order"
+    );
 }

@@ -54,6 +54,7 @@ pub mod inbox;
 mod json;
 #[cfg(feature = "connect")]
 mod options;
+pub mod partition_index;
 mod record;
 #[cfg(feature = "async")]
 mod record_async;
@@ -79,6 +80,7 @@ pub use inbox::{Inbox, InboxExt};
 pub use json::RawJson;
 #[cfg(feature = "connect")]
 pub use options::{InvalidUrl, PgConnectOptions, SslMode, ensure_crypto_provider};
+pub use partition_index::{create_partition_index, partition_index_name, partition_index_sql};
 pub use record::{DEFAULT_MAX_PAYLOAD, InvalidEvent, Notify, Outbox, OutboxExt};
 #[cfg(feature = "async")]
 pub use record_async::AsyncOutboxExt;

@@ -3,7 +3,8 @@
 //! `outbox-relay run` relays until SIGTERM/SIGINT (a second signal aborts);
 //! `outbox-relay status` prints the backlog from the database alone;
 //! `outbox-relay cleanup` deletes published rows once;
-//! `outbox-relay rotate` turns the outbox table into a ring of partitions.
+//! `outbox-relay rotate` turns the outbox table into a ring of partitions;
+//! `outbox-relay index` makes the index by which each relay reads only its own partitions.
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -50,6 +51,20 @@ enum Command {
     /// already is left as it is. It copies the table's rows under an exclusive lock:
     /// writers and relays wait for it.
     Rotate(RotateArgs),
+    /// Make the partition index of --partitions N, by which an ordered relay that owns some of
+    /// the partitions reads only their rows (README, "Partitions"); the relays find it while
+    /// they run. Built CONCURRENTLY: writers and relays go on (on a rotated table, writers
+    /// wait for it). An index there already is left as it is.
+    Index(IndexArgs),
+}
+
+#[derive(Debug, Args)]
+struct IndexArgs {
+    #[command(flatten)]
+    db: DbArgs,
+    /// The partition count the relays run with (their --partitions), 2 to 1024.
+    #[arg(long, env = "OUTBOX_PARTITIONS", value_parser = clap::value_parser!(u32).range(2..=1024))]
+    partitions: u32,
 }
 
 #[derive(Debug, Args)]
@@ -176,6 +191,7 @@ fn main() -> ExitCode {
         Command::Retry(args) => runtime.block_on(retry(args)),
         Command::Cleanup(args) => runtime.block_on(cleanup(args)),
         Command::Rotate(args) => runtime.block_on(rotate(args)),
+        Command::Index(args) => runtime.block_on(index(args)),
     }
 }
 
@@ -492,27 +508,65 @@ async fn cleanup(args: CleanupCmdArgs) -> ExitCode {
     }
 }
 
-/// `outbox-relay rotate`: [`outbox_diesel::partition_table`], over a blocking connection of
-/// its own (the conversion is synchronous Diesel; the URL's TLS settings are libpq's).
-async fn rotate(args: RotateArgs) -> ExitCode {
+/// Runs `work` on a blocking connection of its own to `url` (synchronous Diesel, as `rotate` and
+/// `index` are; the URL's TLS settings are libpq's): its outcome, or why it did not run.
+async fn on_blocking_connection<T: Send + 'static>(
+    url: String,
+    work: impl FnOnce(&mut diesel::PgConnection) -> Result<T, String> + Send + 'static,
+) -> Result<T, String> {
     use diesel::Connection;
-    let rotation = outbox_diesel::Rotation::default()
-        .partitions(args.partitions)
-        .block_rows(args.block_rows);
-    let (url, table) = (args.db.database_url.clone(), args.db.table.clone());
-    let done = tokio::task::spawn_blocking(move || {
+    tokio::task::spawn_blocking(move || {
         let mut conn = diesel::PgConnection::establish(&url).map_err(|e| {
             format!(
                 "cannot connect to PostgreSQL at {}: {e}; {CONNECT_HINT}",
                 redact_url(&url)
             )
         })?;
-        outbox_diesel::partition_table(&mut conn, &table, rotation)
+        work(&mut conn)
+    })
+    .await
+    .unwrap_or_else(|e| Err(format!("it stopped: {e}")))
+}
+
+/// `outbox-relay index`: [`outbox_diesel::create_partition_index`].
+async fn index(args: IndexArgs) -> ExitCode {
+    let (table, n) = (args.db.table.clone(), args.partitions);
+    let done = on_blocking_connection(args.db.database_url.clone(), move |conn| {
+        outbox_diesel::create_partition_index(conn, &table, n)
+            .map_err(|e| format!("cannot make the partition index of {table}: {e}"))
+    })
+    .await;
+    let name = outbox_diesel::partition_index_name(&args.db.table, n);
+    match done {
+        Ok(true) => {
+            println!(
+                "{name} made on {}: relays with --partitions {n} read each partition they own by it",
+                args.db.table
+            );
+            ExitCode::SUCCESS
+        }
+        Ok(false) => {
+            println!("{name} is on {} already: left as it is", args.db.table);
+            ExitCode::SUCCESS
+        }
+        Err(msg) => fail("index", msg),
+    }
+}
+
+/// `outbox-relay rotate`: [`outbox_diesel::partition_table`], over a blocking connection of
+/// its own (the conversion is synchronous Diesel; the URL's TLS settings are libpq's).
+async fn rotate(args: RotateArgs) -> ExitCode {
+    let rotation = outbox_diesel::Rotation::default()
+        .partitions(args.partitions)
+        .block_rows(args.block_rows);
+    let table = args.db.table.clone();
+    let done = on_blocking_connection(args.db.database_url.clone(), move |conn| {
+        outbox_diesel::partition_table(conn, &table, rotation)
             .map_err(|e| format!("cannot turn {table} into a ring of partitions: {e}"))
     })
     .await;
     match done {
-        Ok(Ok(true)) => {
+        Ok(true) => {
             println!(
                 "{} is now a ring of {} partitions ({}_r0 to {}_r{}) of {} rows each",
                 args.db.table,
@@ -524,14 +578,13 @@ async fn rotate(args: RotateArgs) -> ExitCode {
             );
             ExitCode::SUCCESS
         }
-        Ok(Ok(false)) => {
+        Ok(false) => {
             println!(
                 "{} is a partitioned table already: left as it is",
                 args.db.table
             );
             ExitCode::SUCCESS
         }
-        Ok(Err(msg)) => fail("rotate", msg),
-        Err(e) => fail("rotate", format!("the conversion stopped: {e}")),
+        Err(msg) => fail("rotate", msg),
     }
 }

@@ -87,11 +87,60 @@ pub async fn fetch_batch(
     }))
 }
 
+/// How a relay's partitions are cut: how many there are, and whether the table has the
+/// partition index of that count ([`create_partition_index`](crate::create_partition_index)),
+/// which [`fetch_batches_in`] then reads each partition by when the relay reads some of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Partitioning {
+    /// The partition count (`--partitions`).
+    pub count: u32,
+    /// Whether the table has the partition index of `count` (see [`has_partition_index`]).
+    pub indexed: bool,
+}
+
+impl Partitioning {
+    /// `count` partitions, read through the table's `ready` index alone.
+    pub fn new(count: u32) -> Self {
+        Partitioning {
+            count,
+            indexed: false,
+        }
+    }
+
+    /// With `indexed`, each partition the relay reads is read by the partition index.
+    pub fn indexed(self, indexed: bool) -> Self {
+        Partitioning { indexed, ..self }
+    }
+}
+
+/// Whether `table` has a valid partition index for `count` partitions (named as
+/// [`partition_index_name`](crate::partition_index_name) says; not one left invalid by a build
+/// that did not finish).
+pub async fn has_partition_index(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    count: u32,
+) -> QueryResult<bool> {
+    if count < 2 {
+        return Ok(false);
+    }
+    let found: super::super::Flag = diesel::sql_query(
+        "SELECT EXISTS (SELECT 1 FROM pg_index i WHERE i.indexrelid = to_regclass($1) \
+         AND i.indrelid = to_regclass($2) AND i.indisvalid AND i.indisready) AS flag",
+    )
+    .bind::<Text, _>(crate::partition_index_name(table, count))
+    .bind::<Text, _>(table.quoted())
+    .get_result(conn)
+    .await?;
+    Ok(found.flag == Some(true))
+}
+
 /// Reads the next batch of each of `cursors`' partitions (of `count`) in one statement: up
 /// to `limit` rows after the lowest cursor in one walk through those partitions (and while
 /// their payloads stay under `max_bytes`, the first always), the late rows of each within the
 /// same limits, and up to `limit` released rows other than `exclude` (those the caller holds).
-/// Returns a batch per partition, in the order of `cursors`.
+/// Returns a batch per partition, in the order of `cursors`. [`fetch_batches_in`] without the
+/// partition index.
 ///
 /// Rows of an aggregate with an earlier parked or held row are set aside (`parked_at =
 /// '-infinity'`), rows of an aggregate whose earlier rows were released join them
@@ -102,7 +151,6 @@ pub async fn fetch_batch(
 /// its batch holds the first of them, its cursor keeps its place and carries the pass, and
 /// the next calls read the rest in parts, its next rows waiting, until the pass ends and the
 /// cursor takes the pass's snapshot. Traced as the span `outbox.claim`.
-#[tracing::instrument(name = "outbox.claim", level = "debug", skip_all, fields(outbox.table = %table, outbox.partitions = cursors.len()))]
 pub async fn fetch_batches(
     conn: &mut AsyncPgConnection,
     table: &OutboxTable,
@@ -112,10 +160,39 @@ pub async fn fetch_batches(
     limit: i64,
     max_bytes: i64,
 ) -> QueryResult<Vec<(u32, Batch)>> {
+    fetch_batches_in(
+        conn,
+        table,
+        Partitioning::new(count),
+        cursors,
+        exclude,
+        limit,
+        max_bytes,
+    )
+    .await
+}
+
+/// [`fetch_batches`] for partitions cut as `partitioning` says. With the partition index, a
+/// relay that reads some of the partitions (or reads them at different cursors) reads each
+/// one by that index from its own cursor, each with its share of `limit` and `max_bytes`
+/// (the first row of each always), and no row of the partitions it does not read; a
+/// partition read to its end moves its cursor as far as any partition's rows went, one cut by
+/// its share only to its last row read.
+#[tracing::instrument(name = "outbox.claim", level = "debug", skip_all, fields(outbox.table = %table, outbox.partitions = cursors.len()))]
+pub async fn fetch_batches_in(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    partitioning: Partitioning,
+    cursors: &[(u32, Cursor)],
+    exclude: &[i64],
+    limit: i64,
+    max_bytes: i64,
+) -> QueryResult<Vec<(u32, Batch)>> {
     if cursors.is_empty() {
         return Ok(Vec::new());
     }
-    let binds = Binds::of(count, cursors);
+    let count = partitioning.count;
+    let binds = Binds::of(count, cursors, partitioning.indexed);
     let fetched: Vec<Fetched> = binds
         .statement(table, count, "", exclude, limit, max_bytes)
         .load(conn)
@@ -130,6 +207,24 @@ pub async fn fetch_batches(
         .filter(|f| f.part == 0)
         .map(|f| f.event.seq())
         .max();
+    // walked by the partition index, a partition cut by its share (it read as many rows as
+    // its share, or returned fewer than it read) went as far as its last row returned; the
+    // others were read to their end, as far as any went
+    let mut cut: std::collections::HashMap<i32, i64> = Default::default();
+    if binds.by_partition() {
+        let (share, _) = binds.shares(limit, max_bytes);
+        let mut walks: std::collections::HashMap<i32, (i64, i64, i64)> = Default::default();
+        for f in fetched.iter().filter(|f| f.part == 0) {
+            let e = walks.entry(f.p).or_insert((0, i64::MIN, f.late_total));
+            e.0 += 1;
+            e.1 = e.1.max(f.event.seq());
+        }
+        for (p, (returned, highest, read)) in walks {
+            if read >= share || returned < read {
+                cut.insert(p, highest);
+            }
+        }
+    }
     // per partition: the late rows returned, their highest `seq`, and how many there are
     let mut late: std::collections::HashMap<i32, (i64, i64, i64)> = Default::default();
     for f in fetched.iter().filter(|f| f.part == 1) {
@@ -159,7 +254,8 @@ pub async fn fetch_batches(
             // the pass has read every late row its snapshot sees
             (Some(pass), _) => Cursor::at(c.upto_seq, pass.snap.clone()),
             (None, Some(snap)) => {
-                Cursor::at(walked.unwrap_or(c.upto_seq).max(c.upto_seq), snap.clone())
+                let end = cut.get(&(*p as i32)).copied().or(walked);
+                Cursor::at(end.unwrap_or(c.upto_seq).max(c.upto_seq), snap.clone())
             }
             (None, None) => c.clone(),
         };
@@ -251,7 +347,20 @@ pub async fn explain_batches_analyze(
     cursors: &[(u32, Cursor)],
     limit: i64,
 ) -> QueryResult<Vec<String>> {
-    let binds = Binds::of(count, cursors);
+    explain_batches_analyze_in(conn, table, Partitioning::new(count), cursors, limit).await
+}
+
+/// [`explain_batches_analyze`] for partitions cut as `partitioning` says (the statement of
+/// [`fetch_batches_in`]).
+pub async fn explain_batches_analyze_in(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    partitioning: Partitioning,
+    cursors: &[(u32, Cursor)],
+    limit: i64,
+) -> QueryResult<Vec<String>> {
+    let count = partitioning.count;
+    let binds = Binds::of(count, cursors, partitioning.indexed);
     let lines: Vec<super::super::poll::PlanLine> = binds
         .statement(
             table,

@@ -66,6 +66,12 @@ pub(super) struct BatchStatement<'a> {
     walk: &'a [i64],
     /// The partitions walked.
     walked: &'a [i32],
+    /// Per partition walked, the `seq` its rows come after ([`Walk::ByPartition`]).
+    walked_after: &'a [i64],
+    /// Per partition walked, its share of the row limit and of the byte budget
+    /// ([`Walk::ByPartition`]).
+    share_limit: i64,
+    share_bytes: i64,
 }
 
 /// What [`batch_sql`] binds for `cursors` of partitions of `count`, and the shape of its walk.
@@ -79,12 +85,15 @@ pub(super) struct Binds<'c> {
     from: i64,
     walk: Vec<i64>,
     walked: Vec<i32>,
+    walked_after: Vec<i64>,
     some: bool,
     shape: Walk,
 }
 
 impl<'c> Binds<'c> {
-    pub(super) fn of(count: u32, cursors: &'c [(u32, Cursor)]) -> Binds<'c> {
+    /// `indexed`: the table has the partition index of `count` (see
+    /// [`partition_index`](crate::partition_index)).
+    pub(super) fn of(count: u32, cursors: &'c [(u32, Cursor)], indexed: bool) -> Binds<'c> {
         // where the walk takes each partition's rows from, by partition: after its cursor; a
         // partition not read here, or in a late pass, not at all
         let walking: Vec<(u32, i64)> = cursors
@@ -93,7 +102,10 @@ impl<'c> Binds<'c> {
             .map(|(p, c)| (*p, c.upto_seq))
             .collect();
         let some = cursors.len() < count as usize;
-        let shape = if walking.windows(2).any(|w| w[0].1 != w[1].1) {
+        let differ = walking.windows(2).any(|w| w[0].1 != w[1].1);
+        let shape = if indexed && count > 1 && !walking.is_empty() && (some || differ) {
+            Walk::ByPartition
+        } else if differ {
             Walk::EachAfterItsCursor
         } else if some || walking.len() < cursors.len() {
             Walk::Some
@@ -118,6 +130,7 @@ impl<'c> Binds<'c> {
             uppers: cursors.iter().map(|(_, c)| c.late_snap()).collect(),
             from: walking.iter().map(|(_, u)| *u).min().unwrap_or(i64::MAX),
             walked: walking.iter().map(|(p, _)| *p as i32).collect(),
+            walked_after: walking.iter().map(|(_, u)| *u).collect(),
             walk,
             some,
             shape,
@@ -134,6 +147,7 @@ impl<'c> Binds<'c> {
         limit: i64,
         max_bytes: i64,
     ) -> BatchStatement<'a> {
+        let (share_limit, share_bytes) = self.shares(limit, max_bytes);
         BatchStatement {
             sql: format!("{prefix}{}", batch_sql(table, count, self.some, self.shape)),
             indexes: &self.indexes,
@@ -147,7 +161,23 @@ impl<'c> Binds<'c> {
             uppers: &self.uppers,
             walk: &self.walk,
             walked: &self.walked,
+            walked_after: &self.walked_after,
+            share_limit,
+            share_bytes,
         }
+    }
+
+    /// Whether each partition is walked by the partition index, from its own cursor.
+    pub(super) fn by_partition(&self) -> bool {
+        self.shape == Walk::ByPartition
+    }
+
+    /// Each walked partition's share of the row limit and of the byte budget, walked by the
+    /// partition index: the batch as a whole stays within both (but for each partition's first
+    /// row, which always comes).
+    pub(super) fn shares(&self, limit: i64, max_bytes: i64) -> (i64, i64) {
+        let k = (self.walked.len() as i64).max(1);
+        (((limit + k - 1) / k).max(1), (max_bytes / k).max(1))
     }
 }
 
@@ -182,6 +212,9 @@ impl QueryFragment<Pg> for BatchStatement<'_> {
                 9 => out.push_bind_param::<Array<Nullable<Text>>, _>(self.uppers)?,
                 10 => out.push_bind_param::<Array<BigInt>, _>(self.walk)?,
                 11 => out.push_bind_param::<Array<Integer>, _>(self.walked)?,
+                12 => out.push_bind_param::<Array<BigInt>, _>(self.walked_after)?,
+                13 => out.push_bind_param::<BigInt, _>(&self.share_limit)?,
+                14 => out.push_bind_param::<BigInt, _>(&self.share_bytes)?,
                 // a `$` of a quoted name: text
                 _ => {
                     out.push_sql("$");
@@ -205,6 +238,10 @@ enum Walk {
     Some,
     /// Each partition's after its own cursor (`$10`): cursors differ after a take-over.
     EachAfterItsCursor,
+    /// Each partition walked (`$11`) by the partition index after its own cursor (`$12`),
+    /// with its share of the limits (`$13`, `$14`): a relay that owns some partitions reads
+    /// none of the others' rows.
+    ByPartition,
 }
 
 /// The statement of [`fetch_batches`](crate::relay::fetch_batches) for partitions of `count` of `table`, `some` when the
@@ -226,7 +263,11 @@ enum Walk {
 /// partition taken over far behind the others (cursors differ then) gets its own rows in its
 /// first batch, instead of a batch's worth of rows the others had read before at a time.
 /// While the cursors agree (the steady state) the walk tests the partition alone, which costs
-/// PostgreSQL less per event (BENCHMARKS.md, section 12).
+/// PostgreSQL less per event (BENCHMARKS.md, section 12). With the partition index of `count`
+/// (`indexed`), a relay that reads some of the partitions, or reads them at different cursors,
+/// walks each one by that index from its own cursor, with its share of the row limit and of
+/// the byte budget ([`Walk::ByPartition`]): it reads no row of a partition it does not read,
+/// where the walk by `seq` fetches each one to test its partition (BENCHMARKS.md, section 20).
 ///
 /// A row is late for its partition when that cursor's snapshot had its transaction in
 /// progress (`xip`, below `xmax`) or not begun (at or above `xmax`): two disjoint parts.
@@ -282,6 +323,7 @@ fn batch_sql(table: &OutboxTable, count: u32, some: bool, shape: Walk) -> String
         Walk::All => String::new(),
         Walk::Some => format!(" AND {p} = ANY((SELECT $11::int4[])::int4[])"),
         Walk::EachAfterItsCursor => format!(" AND o.seq > ((SELECT $10::int8[]))[{p} + 1]"),
+        Walk::ByPartition => String::new(),
     };
     let behind = behind_sql(table);
     let in_pass = "(c.after IS NULL OR o.seq > c.after) \
@@ -318,6 +360,36 @@ fn batch_sql(table: &OutboxTable, count: u32, some: bool, shape: Walk) -> String
     } else {
         (String::new(), String::new(), ended.to_owned())
     };
+    // the next rows: one walk by `seq` through the partitions read, or (by the partition
+    // index) each partition's own, each returning how many rows it read (so that the caller
+    // knows which partitions it read to the end). A partition's rows are written as a range
+    // of the partition index, `(partition, seq)` after `(p, its cursor)` and the partition at
+    // most `p`, in that index's order: a row comparison no other index serves, and an order
+    // the `ready` index gives only with a sort. Written `partition = p AND seq > cursor`,
+    // the planner walked `ready` for each partition and passed over the others' rows where
+    // the statistics did not yet show how the partitions' rows spread (a new table)
+    let next = if shape == Walk::ByPartition {
+        format!(
+            "(SELECT {COLUMNS}, 0 AS part, o.p, o.n AS late_total FROM (SELECT {COLUMNS}, o.p, \
+             count(*) OVER (PARTITION BY o.p) AS n, COALESCE(sum(octet_length(o.payload)) \
+             OVER (PARTITION BY o.p ORDER BY o.seq \
+             ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before \
+             FROM unnest((SELECT $11::int4[]), (SELECT $12::int8[])) AS w(p, after) \
+             CROSS JOIN LATERAL (SELECT {READ}, w.p AS p FROM {t} o \
+             WHERE ({p}, o.seq) > (w.p, w.after) AND {p} <= w.p \
+             AND o.published_at IS NULL AND o.parked_at IS NULL \
+             ORDER BY {p}, o.seq LIMIT (SELECT $13::int8)) o) o WHERE o.before < (SELECT $14::int8))"
+        )
+    } else {
+        format!(
+            "(SELECT {COLUMNS}, 0 AS part, o.p, 0::int8 AS late_total FROM (SELECT {COLUMNS}, o.p, \
+             COALESCE(sum(octet_length(o.payload)) \
+             OVER (ORDER BY o.seq ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before \
+             FROM (SELECT {READ}, {p} AS p FROM {t} o WHERE o.published_at IS NULL \
+             AND o.parked_at IS NULL AND o.seq > (SELECT $7::int8){walked} \
+             ORDER BY o.seq LIMIT {limit}) o) o WHERE o.before < $5)"
+        )
+    };
     format!(
         "WITH cur AS MATERIALIZED (SELECT pg_current_snapshot() AS s), \
          c AS MATERIALIZED (SELECT c.p, c.upto, c.snap::pg_snapshot AS snap, c.after, \
@@ -325,12 +397,7 @@ fn batch_sql(table: &OutboxTable, count: u32, some: bool, shape: Walk) -> String
          FROM unnest((SELECT $1::int4[]), (SELECT $2::int8[]), (SELECT $3::text[]), \
          (SELECT $8::int8[]), (SELECT $9::text[])) AS c(p, upto, snap, after, upper)){few} \
          SELECT {COLUMNS}, o.part, o.p, {behind} AS behind, o.late_total, (SELECT s::text FROM cur) AS snap FROM ( \
-         (SELECT {COLUMNS}, 0 AS part, o.p, 0::int8 AS late_total FROM (SELECT {COLUMNS}, o.p, \
-         COALESCE(sum(octet_length(o.payload)) \
-         OVER (ORDER BY o.seq ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before \
-         FROM (SELECT {READ}, {p} AS p FROM {t} o WHERE o.published_at IS NULL \
-         AND o.parked_at IS NULL AND o.seq > (SELECT $7::int8){walked} \
-         ORDER BY o.seq LIMIT {limit}) o) o WHERE o.before < $5) \
+         {next} \
          UNION ALL \
          (SELECT {COLUMNS}, 1, o.p, o.total FROM (SELECT {COLUMNS}, o.p, \
          row_number() OVER w AS rn, count(*) OVER (PARTITION BY o.p) AS total, \

@@ -111,6 +111,10 @@ impl OrderedRelay {
         }
         let mut next_balance = Instant::now();
         let mut warned_conflict = false;
+        // whether the table has the partition index of this count, and whether this session
+        // said what reading some partitions without it costs
+        let mut partitioning = db::Partitioning::new(self.mode.partitions);
+        let mut warned_unindexed = false;
         let mut average_payload = 0;
         // the last read that found rows: commits right after it may not have been notified
         let mut found = None;
@@ -131,6 +135,8 @@ impl OrderedRelay {
                     lookups.reset();
                     holding.pipe.forget_sequences();
                 }
+                self.check_index(conn, owned, &mut partitioning, &mut warned_unindexed)
+                    .await?;
                 next_balance = Instant::now() + cfg.standby_interval;
             }
             if owned.is_empty() {
@@ -171,10 +177,10 @@ impl OrderedRelay {
                     })
                     .collect();
                 let exclude = progress.released_in_flight();
-                let batches = db::fetch_batches(
+                let batches = db::fetch_batches_in(
                     conn,
                     table,
-                    self.mode.partitions,
+                    partitioning,
                     &cursors,
                     &exclude,
                     limit,
@@ -298,6 +304,45 @@ impl OrderedRelay {
     }
 
     /// Keeps this relay's fair share of the partitions: releases extra ones, takes free ones.
+    /// Looks whether the table has the partition index of this relay's count (made or dropped
+    /// since the last look): with it, the partitions this relay owns are each read by it when
+    /// it owns some of them. Says once per session what reading some of them without it costs.
+    async fn check_index(
+        &self,
+        conn: &mut AsyncPgConnection,
+        owned: &BTreeSet<u32>,
+        partitioning: &mut db::Partitioning,
+        warned: &mut bool,
+    ) -> diesel::QueryResult<()> {
+        let n = self.mode.partitions;
+        if n < 2 {
+            return Ok(());
+        }
+        let indexed = db::has_partition_index(conn, &self.cfg.table, n).await?;
+        if indexed != partitioning.indexed {
+            info!(
+                partitions = n,
+                index = %outbox_diesel::partition_index_name(&self.cfg.table, n),
+                "{}",
+                if indexed {
+                    "the table has the partition index of this partition count: each partition this relay owns is read by it"
+                } else {
+                    "the partition index of this partition count is gone: the partitions this relay owns are read by one walk through every partition's rows"
+                }
+            );
+            *partitioning = partitioning.indexed(indexed);
+        }
+        if !indexed && !owned.is_empty() && owned.len() < n as usize && !*warned {
+            warn!(
+                partitions = n,
+                owned = owned.len(),
+                "this relay owns some of the partitions and reads every partition's rows to find its own; `outbox-relay index --partitions {n}` makes the index by which each relay reads only its own"
+            );
+            *warned = true;
+        }
+        Ok(())
+    }
+
     async fn balance(
         &self,
         conn: &mut AsyncPgConnection,
