@@ -310,3 +310,47 @@ fn replicas_starting_together_migrate_the_outbox_once_and_all_succeed() {
         assert_eq!(db.scalar("SELECT count(*) FROM billing_events"), 0);
     }
 }
+
+/// A relay's start checks that it can read the table with the backlog's statement: it ran
+/// it, counting every unpublished row at every start (a relay restarted on a backlog of
+/// millions read them all before it published, and each relay of a table did so). Now it
+/// plans the statement without reading a row. The relay here stops at its next start-up step
+/// (the stream captures other subjects: exit 1), so that the rows read are its checks'
+/// alone: PostgreSQL's statistics show none of a 20,000-row backlog read.
+#[tokio::test]
+async fn a_relay_start_reads_no_row_of_the_backlog() {
+    let stream = TestStream::new();
+    let db = TestDb::new();
+    db.execute(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), 'order', 'o-' || (i % 100), 'order.placed', '{}' \
+         FROM generate_series(1, 20000) AS i",
+        "a backlog",
+    );
+    stream
+        .js()
+        .await
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: stream.name.clone(),
+            subjects: vec![format!("{}-other.>", stream.prefix)],
+            ..Default::default()
+        })
+        .await
+        .expect("a stream on other subjects");
+    let rows_read = |db: &TestDb| {
+        db.scalar(
+            "SELECT (COALESCE(seq_tup_read, 0) + COALESCE(idx_tup_fetch, 0))::int8 \
+             FROM pg_stat_user_tables WHERE relname = 'outbox'",
+        )
+    };
+    let before = rows_read(&db);
+    let (code, _, stderr, _) = run_to_exit(
+        &mut relay_against(&db.url, &stream, "5s"),
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, Some(1), "{stderr}");
+    // the checks' session has ended; its statistics reach the views within a second
+    std::thread::sleep(Duration::from_millis(1_500));
+    let read = rows_read(&db) - before;
+    assert!(read < 1_000, "{read} rows read at the start");
+}

@@ -343,7 +343,9 @@ impl Relay {
         {
             return Err(RelayError::TableMissing(cfg.table.to_string()));
         }
-        db::backlog(&mut conn, &cfg.table)
+        // the backlog's statement, planned but not run: it fails where the table or its
+        // progress cannot be read, without reading every unpublished row at every start
+        db::check_backlog(&mut conn, &cfg.table)
             .await
             .map_err(RelayError::Query)?;
         if cfg.mode.kind() == ModeKind::Ordered {

@@ -291,7 +291,8 @@ enum Walk {
 /// - The transactions begun after the snapshot are looked up by a range of transaction ids,
 ///   up to the statement's snapshot, or in a late pass up to the pass's (its rows must be
 ///   visible to it): the parts of a long pass do not read again every row written since the
-///   pass began.
+///   pass began. A cursor at `seq` 0 (nothing read: its snapshot sees nothing, and no row is
+///   at or below it) takes no part in it: it made the range every row of the table.
 ///
 /// Each partition's late rows come in `seq` order within the row limit and the byte budget,
 /// each with how many were found (those of a transaction with many counted up to `limit + 1`), so that
@@ -412,7 +413,7 @@ fn batch_sql(table: &OutboxTable, count: u32, some: bool, shape: Walk) -> String
          LIMIT {limit} + 1) o) \
          UNION ALL \
          (SELECT {READ}, c.p FROM (SELECT * FROM {t} o \
-         WHERE o.txid >= (SELECT min(pg_snapshot_xmax(c.snap)) FROM c) \
+         WHERE o.txid >= (SELECT min(pg_snapshot_xmax(c.snap)) FROM c WHERE c.upto > 0) \
          AND o.txid < (SELECT max(pg_snapshot_xmax(COALESCE(c.upper, (SELECT s FROM cur)))) FROM c) \
          OFFSET 0) o \
          JOIN c ON c.p = {p} WHERE o.published_at IS NULL AND o.parked_at IS NULL \
@@ -420,7 +421,6 @@ fn batch_sql(table: &OutboxTable, count: u32, some: bool, shape: Walk) -> String
          WINDOW w AS (PARTITION BY o.p ORDER BY o.seq)) o WHERE o.rn <= $4 AND o.before < $5) \
          UNION ALL \
          (SELECT {READ}, 2, {p}, 0::int8 FROM {t} o WHERE o.parked_at = 'infinity' \
-         AND o.published_at IS NULL{owned} AND o.seq <> ALL($6) ORDER BY o.seq LIMIT {limit})) o \
-         LEFT JOIN c ON c.p = o.p"
+         AND o.published_at IS NULL{owned} AND o.seq <> ALL($6) ORDER BY o.seq LIMIT {limit})) o"
     )
 }

@@ -4,8 +4,9 @@
 //!
 //! One session per process holds the process's membership lock and its partition locks, and
 //! reads every partition it owns (one statement per step for all of them: one walk through
-//! their rows), so that losing the session loses every lease at once. Every
-//! `balance_interval` a relay counts the live relays of the table in `pg_locks`, keeps its
+//! their rows, or each partition by the partition index when the table has it), so that
+//! losing the session loses every lease at once. Every `standby_interval` (every 100 ms while
+//! the shares move) a relay counts the live relays of the table in `pg_locks`, keeps its
 //! share of the partitions (N / relays, the oldest relays one more when it does not divide),
 //! releases the extra ones once the acks in flight have arrived and are recorded, and takes
 //! free ones. A relay that starts with another partition count than
@@ -47,6 +48,10 @@ use crate::publish::reconcile::Reconciler;
 mod progress;
 
 use progress::Progress;
+
+/// How soon a relay looks at the partitions' shares again while they are moving (see
+/// `OrderedRelay::session`), instead of `standby_interval`.
+const REBALANCE_INTERVAL: std::time::Duration = std::time::Duration::from_millis(100);
 
 pub(crate) struct OrderedRelay {
     pub(crate) cfg: Arc<RelayConfig>,
@@ -114,6 +119,7 @@ impl OrderedRelay {
         // whether the table has the partition index of this count, and whether this session
         // said what reading some partitions without it costs
         let mut partitioning = db::Partitioning::new(self.mode.partitions);
+        let mut balances = 0u32;
         let mut warned_unindexed = false;
         let mut average_payload = 0;
         // the last read that found rows: commits right after it may not have been notified
@@ -127,7 +133,8 @@ impl OrderedRelay {
         while !self.shutdown.is_cancelled() {
             if Instant::now() >= next_balance {
                 let before = owned.clone();
-                self.balance(conn, me, owned, &mut holding, &mut warned_conflict)
+                let settled = self
+                    .balance(conn, me, owned, &mut holding, &mut warned_conflict)
                     .await?;
                 if !owned.is_subset(&before) {
                     // a partition taken over: its last owner may have published past any
@@ -137,7 +144,18 @@ impl OrderedRelay {
                 }
                 self.check_index(conn, owned, &mut partitioning, &mut warned_unindexed)
                     .await?;
-                next_balance = Instant::now() + cfg.standby_interval;
+                // while the shares are moving (this relay holds more or fewer than its share,
+                // or just took or gave some), and once right after its first look (relays
+                // started together join within moments of each other), it looks again soon:
+                // a partition released waits for its next owner's look, and a relay alone for
+                // the first second owned every partition of a backlog drained by two
+                balances += 1;
+                next_balance = Instant::now()
+                    + if settled && *owned == before && balances > 1 {
+                        cfg.standby_interval
+                    } else {
+                        REBALANCE_INTERVAL.min(cfg.standby_interval)
+                    };
             }
             if owned.is_empty() {
                 tokio::select! {
@@ -350,7 +368,7 @@ impl OrderedRelay {
         owned: &mut BTreeSet<u32>,
         holding: &mut Holding<'_>,
         warned_conflict: &mut bool,
-    ) -> diesel::QueryResult<()> {
+    ) -> diesel::QueryResult<bool> {
         let cfg = &self.cfg;
         let n = self.mode.partitions;
         let started = Instant::now();
@@ -376,7 +394,7 @@ impl OrderedRelay {
                 self.release(conn, owned, owned.len(), holding).await?;
             }
             self.set_owned(owned);
-            return Ok(());
+            return Ok(true);
         }
         *warned_conflict = false;
         let peers: Vec<i32> = members
@@ -421,7 +439,7 @@ impl OrderedRelay {
             }
         }
         self.set_owned(owned);
-        Ok(())
+        Ok(owned.len() == fair)
     }
 
     async fn release(
