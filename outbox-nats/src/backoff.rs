@@ -65,8 +65,8 @@ impl Backoff {
 }
 
 /// A number in `[0, 1)`, different in every call and every process: the standard library's
-/// randomly keyed hasher, which is enough for spreading retries.
-fn unit_random() -> f64 {
+/// randomly keyed hasher, which is enough for spreading retries (and the relays' statistics).
+pub(crate) fn unit_random() -> f64 {
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u64(
         std::time::SystemTime::now()

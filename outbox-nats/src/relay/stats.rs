@@ -1,6 +1,7 @@
 //! The relay's statistics task: the backlog, stall and duplicate-window gauges, refreshed
 //! every `stats_interval` on a session of its own (JIT off, `application_name`
-//! `outbox-relay-stats`), so that a slow statistics query never holds up publishing.
+//! `outbox-relay-stats`), so that a slow statistics query never holds up publishing; the
+//! first time at a random point of the first interval.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,7 +24,12 @@ pub(super) async fn stats(
     shutdown: CancellationToken,
 ) {
     let mut conn: Option<AsyncPgConnection> = None;
-    let mut tick = tokio::time::interval(cfg.stats_interval);
+    // the first pass at a random point of the first interval: each pass reads every
+    // unpublished row, and relays started together (a fleet restarted on a backlog of
+    // millions) read it all at once, each of them, when the database is busiest
+    let first = cfg.stats_interval.mul_f64(crate::backoff::unit_random());
+    let mut tick =
+        tokio::time::interval_at(tokio::time::Instant::now() + first, cfg.stats_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let partitions = cfg.mode.partitions();
     let partitioned = partitions > 1;
