@@ -321,7 +321,6 @@ impl OrderedRelay {
         Ok(())
     }
 
-    /// Keeps this relay's fair share of the partitions: releases extra ones, takes free ones.
     /// Looks whether the table has the partition index of this relay's count (made or dropped
     /// since the last look): with it, the partitions this relay owns are each read by it when
     /// it owns some of them. Says once per session what reading some of them without it costs.
@@ -361,6 +360,8 @@ impl OrderedRelay {
         Ok(())
     }
 
+    /// Keeps this relay's fair share of the partitions: releases extra ones, takes free ones.
+    /// Returns whether it holds its share.
     async fn balance(
         &self,
         conn: &mut AsyncPgConnection,
