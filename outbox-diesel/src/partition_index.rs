@@ -21,8 +21,11 @@ use diesel::{QueryResult, QueryableByName, RunQueryDsl};
 use crate::OutboxTable;
 use crate::table::{quote_ident, quote_literal};
 
-/// The most partitions a relay runs with (`outbox-relay run --partitions`).
-const MAX_PARTITIONS: u32 = 1024;
+/// The largest partition count: each partition is a session advisory lock in PostgreSQL's
+/// shared lock table (`max_locks_per_transaction` × `max_connections` entries, 6,400 by
+/// default), which the relays of every table share with the database's other locks. The
+/// relay's [`MAX_PARTITIONS`](crate::relay::MAX_PARTITIONS) (feature `relay`) is this one.
+pub(crate) const MAX_PARTITIONS: u32 = 1024;
 
 /// The partition index's name for `partitions` partitions, schema-qualified as `table` is and
 /// quoted: `"outbox_ready_p4"` for the default table and 4 partitions.

@@ -164,7 +164,7 @@ pub struct Member {
 /// The largest partition count: each partition is a session advisory lock in PostgreSQL's
 /// shared lock table (`max_locks_per_transaction` × `max_connections` entries, 6,400 by
 /// default), which the relays of every table share with the database's other locks.
-pub const MAX_PARTITIONS: u32 = 1024;
+pub const MAX_PARTITIONS: u32 = crate::partition_index::MAX_PARTITIONS;
 
 /// The low half of a membership key with this bit set carries a partition count; without
 /// it, a join ticket.

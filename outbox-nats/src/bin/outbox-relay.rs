@@ -63,7 +63,8 @@ struct IndexArgs {
     #[command(flatten)]
     db: DbArgs,
     /// The partition count the relays run with (their --partitions), 2 to 1024.
-    #[arg(long, env = "OUTBOX_PARTITIONS", value_parser = clap::value_parser!(u32).range(2..=1024))]
+    #[arg(long, env = "OUTBOX_PARTITIONS",
+          value_parser = clap::value_parser!(u32).range(2..=i64::from(db::MAX_PARTITIONS)))]
     partitions: u32,
 }
 

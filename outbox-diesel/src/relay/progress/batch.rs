@@ -53,7 +53,9 @@ struct Fetched {
     #[diesel(sql_type = Integer)]
     behind: i32,
     /// A late row: how many late rows its partition has (the statement returns those within
-    /// the batch's limits).
+    /// the batch's limits). A next row walked by the partition index: how many rows its
+    /// partition's walk read (within its share of the limit), to tell a walk cut by its share
+    /// from one that read its partition to the end.
     #[diesel(sql_type = BigInt)]
     late_total: i64,
     #[diesel(sql_type = Text)]
