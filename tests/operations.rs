@@ -347,6 +347,133 @@ async fn dedup_window_guard(extra: &[&str]) {
     assert_eq!(stream.count().await, 1);
 }
 
+/// The relays of a table read its backlog once per `--stats-interval` between them, not once
+/// each (a reading reads every unpublished row): the relay holding the table's statistics lock
+/// reads it and sends the figures, every relay reports them, and when that relay stops another
+/// reads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relays_of_a_table_read_its_backlog_once_between_them_and_each_reports_it() {
+    const PARKED: i64 = 3000;
+    let stream = TestStream::new();
+    let db = TestDb::new();
+    // a backlog the relays leave alone: parked rows, one aggregate each
+    db.execute(
+        &format!(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, \
+             parked_at) SELECT gen_random_uuid(), 'order', 'parked-' || g, 'order.placed', \
+             '{{}}', now() FROM generate_series(1, {PARKED}) g"
+        ),
+        "insert parked rows",
+    );
+    let interval = Duration::from_millis(300);
+    let mut relays: Vec<(Relay, String)> = (0..3)
+        .map(|_| {
+            relay_with_metrics(
+                &db,
+                &stream,
+                &["--partitions", "4", "--stats-interval", "300ms"],
+            )
+        })
+        .collect();
+    let t = Duration::from_secs(30);
+    for (_, addr) in &relays {
+        let body = wait_metric(addr, "outbox_backlog_rows", &[], t, "the backlog", |v| {
+            v == PARKED as f64
+        })
+        .await;
+        assert_eq!(
+            sample(&body, "outbox_parked_rows", &[]),
+            Some(PARKED as f64)
+        );
+        let parts: f64 = ["0", "1", "2", "3"]
+            .iter()
+            .filter_map(|p| sample(&body, "outbox_partition_backlog_rows", &[("partition", p)]))
+            .sum();
+        assert_eq!(parts, PARKED as f64, "the partitions' backlogs add up");
+    }
+    let readers = |relays: &[(Relay, String)]| {
+        let addrs: Vec<String> = relays.iter().map(|(_, a)| a.clone()).collect();
+        async move {
+            let mut flags = Vec::new();
+            for a in &addrs {
+                flags.push(sample(&scrape(a).await, "outbox_statistics_reader", &[]));
+            }
+            flags
+        }
+    };
+
+    // rows the relays read in a window of readings: each reading reads every parked row, and
+    // nothing else reads the table
+    let rows_read = || {
+        db.scalar(
+            "SELECT COALESCE(seq_tup_read, 0) + COALESCE(idx_tup_fetch, 0) \
+             FROM pg_stat_user_tables WHERE relname = 'outbox'",
+        )
+    };
+    let (before, start) = (rows_read(), Instant::now());
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let (read, window) = (rows_read() - before, start.elapsed());
+    let intervals = window.as_secs_f64() / interval.as_secs_f64();
+    let readings = read as f64 / PARKED as f64;
+    println!(
+        "{read} rows read in {window:?} by 3 relays reading every {interval:?}: {readings:.1} readings of the backlog in {intervals:.1} intervals"
+    );
+    assert!(
+        readings <= 1.5 * intervals + 3.0,
+        "3 relays read the backlog {readings:.1} times in {intervals:.1} intervals: each read it"
+    );
+    assert!(
+        readings >= 0.5 * intervals - 3.0,
+        "the backlog was read {readings:.1} times in {intervals:.1} intervals"
+    );
+
+    wait_until(t, "one reader of the statistics", || async {
+        let flags = readers(&relays).await;
+        flags.iter().all(Option::is_some) && flags.iter().flatten().sum::<f64>() == 1.0
+    })
+    .await;
+
+    // the figures reach every relay
+    db.execute(
+        "UPDATE outbox SET attempts = 1 WHERE aggregate_id IN \
+         (SELECT 'parked-' || g FROM generate_series(1, 100) g)",
+        "100 rows in doubt",
+    );
+    for (_, addr) in &relays {
+        wait_metric(addr, "outbox_in_doubt_rows", &[], t, "100 in doubt", |v| {
+            v == 100.0
+        })
+        .await;
+    }
+    // the reader stops: another reads
+    let flags = readers(&relays).await;
+    let reader = flags
+        .iter()
+        .position(|f| *f == Some(1.0))
+        .expect("a reader");
+    let (mut stopped, _) = relays.remove(reader);
+    stopped.proc.signal("TERM");
+    assert!(
+        stopped.proc.wait_exit(t).is_some(),
+        "the reader stops on SIGTERM"
+    );
+    db.execute(
+        "UPDATE outbox SET attempts = 1 WHERE aggregate_id IN \
+         (SELECT 'parked-' || g FROM generate_series(101, 300) g)",
+        "300 rows in doubt",
+    );
+    for (_, addr) in &relays {
+        wait_metric(addr, "outbox_in_doubt_rows", &[], t, "300 in doubt", |v| {
+            v == 300.0
+        })
+        .await;
+    }
+    wait_until(t, "another reader of the statistics", || async {
+        readers(&relays).await.iter().flatten().sum::<f64>() == 1.0
+    })
+    .await;
+}
+
 // ---------------------------------------------------------------------------------------------
 // cleanup and the poll's plan
 

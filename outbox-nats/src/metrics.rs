@@ -51,6 +51,9 @@ pub const CLEANUP_DELETED: &str = "outbox_cleanup_rows_deleted_total";
 pub const CLEANUP_TRUNCATED: &str = "outbox_cleanup_partitions_truncated_total";
 /// Histogram: seconds a cleanup round took, for rounds that removed rows.
 pub const CLEANUP_DURATION: &str = "outbox_cleanup_duration_seconds";
+/// Gauge: 1 while this relay reads the table's backlog figures for every relay of the table
+/// (the others set their backlog gauges from what it sends).
+pub const STATISTICS_READER: &str = "outbox_statistics_reader";
 /// Gauge: 1 while the NATS connection is up.
 pub const NATS_CONNECTED: &str = "outbox_nats_connected";
 /// Gauge: 1 while the relay is ready (what `/readyz` answers).
@@ -152,6 +155,10 @@ pub fn describe() {
         "1 when the slot lags past --slot-lag-warn-bytes or --stall-after"
     );
     describe_gauge!(SLOT_READER, "1 while this relay reads the slot");
+    describe_gauge!(
+        STATISTICS_READER,
+        "1 while this relay reads the backlog figures for every relay of the table"
+    );
     describe_counter!(
         CAPTURED_DELETED,
         Unit::Count,

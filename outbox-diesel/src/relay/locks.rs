@@ -15,6 +15,11 @@ use super::{Flag, Partition};
 /// OIDs of user tables start at 16384 and stay far below it, so the two never meet.
 pub const SLOT_LOCK_KEY: i32 = 0x4F42_4C54;
 
+/// The first key of the lock that makes a relay the one that reads a table's statistics for
+/// the others ([`AdvisoryLock::Statistics`]): `'OBST'` in ASCII, beside [`SLOT_LOCK_KEY`] and
+/// as far from the OIDs of user tables.
+pub const STATISTICS_LOCK_KEY: i32 = 0x4F42_5354;
+
 /// A session advisory lock of the relay's: every kind in one place, with its key, so that no
 /// two kinds meet. Each lasts until it is released or the session ends, so the work of a relay
 /// that died is free as soon as PostgreSQL notices its connection is gone.
@@ -24,6 +29,7 @@ pub const SLOT_LOCK_KEY: i32 = 0x4F42_4C54;
 /// | [`Partition`](Self::Partition) | the owner of a partition (ordered mode), exclusive | `(<table OID>, <partition index>)` |
 /// | [`Slot`](Self::Slot) | the one reader of a slot (log tailing), exclusive | `(SLOT_LOCK_KEY, hashtext(<slot>))` |
 /// | [`PartitionCount`](Self::PartitionCount) | every relay of the table, shared: its partition count | `<table OID> << 32 \| 2^31 + <count>` |
+/// | [`Statistics`](Self::Statistics) | the relay that reads the table's backlog for the others, exclusive | `(STATISTICS_LOCK_KEY, <table OID>)` |
 ///
 /// The two-key form and the 64-bit form are apart in `pg_locks` (`objsubid` 2 and 1). A
 /// relay's join ticket (see [`join_members`]) is the fourth kind: `<table OID> << 32 |
@@ -51,6 +57,8 @@ pub enum AdvisoryLock<'a> {
     Slot(&'a str),
     /// A relay of a table running with this many partitions (shared).
     PartitionCount(&'a OutboxTable, u32),
+    /// The relay that reads a table's backlog statistics and sends them to the others.
+    Statistics(&'a OutboxTable),
 }
 
 impl AdvisoryLock<'_> {
@@ -72,34 +80,41 @@ impl AdvisoryLock<'_> {
     }
 
     async fn call(&self, conn: &mut AsyncPgConnection, function: &str) -> QueryResult<bool> {
-        let f: Flag = match *self {
-            Self::Partition(table, partition) => {
-                diesel::sql_query(format!(
-                    "SELECT {function}(to_regclass($1)::oid::int, $2) AS flag"
+        let f: Flag =
+            match *self {
+                Self::Partition(table, partition) => {
+                    diesel::sql_query(format!(
+                        "SELECT {function}(to_regclass($1)::oid::int, $2) AS flag"
+                    ))
+                    .bind::<Text, _>(table.quoted())
+                    .bind::<Integer, _>(partition.index as i32)
+                    .get_result(conn)
+                    .await?
+                }
+                Self::Slot(slot) => {
+                    diesel::sql_query(format!(
+                        "SELECT {function}({SLOT_LOCK_KEY}, hashtext($1)) AS flag"
+                    ))
+                    .bind::<Text, _>(slot)
+                    .get_result(conn)
+                    .await?
+                }
+                Self::Statistics(table) => diesel::sql_query(format!(
+                    "SELECT {function}({STATISTICS_LOCK_KEY}, to_regclass($1)::oid::int) AS flag"
                 ))
                 .bind::<Text, _>(table.quoted())
-                .bind::<Integer, _>(partition.index as i32)
                 .get_result(conn)
-                .await?
-            }
-            Self::Slot(slot) => {
-                diesel::sql_query(format!(
-                    "SELECT {function}({SLOT_LOCK_KEY}, hashtext($1)) AS flag"
-                ))
-                .bind::<Text, _>(slot)
-                .get_result(conn)
-                .await?
-            }
-            Self::PartitionCount(table, partitions) => {
-                diesel::sql_query(format!(
-                    "SELECT {function}((to_regclass($1)::oid::bigint << 32) | $2) AS flag"
-                ))
-                .bind::<Text, _>(table.quoted())
-                .bind::<BigInt, _>(COUNT_KEY | i64::from(partitions))
-                .get_result(conn)
-                .await?
-            }
-        };
+                .await?,
+                Self::PartitionCount(table, partitions) => {
+                    diesel::sql_query(format!(
+                        "SELECT {function}((to_regclass($1)::oid::bigint << 32) | $2) AS flag"
+                    ))
+                    .bind::<Text, _>(table.quoted())
+                    .bind::<BigInt, _>(COUNT_KEY | i64::from(partitions))
+                    .get_result(conn)
+                    .await?
+                }
+            };
         Ok(f.flag.unwrap_or(false))
     }
 }

@@ -15,7 +15,8 @@
 //!   [`record_failure`]);
 //! - `parking`: parked rows, the rows held back behind them, [`retry_parked`];
 //! - `locks`: partition leases and the membership of the relays balancing a table;
-//! - `stats`: [`backlog`], [`table_stats`], [`oldest_transaction`];
+//! - `stats`: [`backlog`], [`table_stats`], [`oldest_transaction`], and the channel on which
+//!   one relay sends the backlog figures to the others ([`statistics_channel`]);
 //! - `cleanup`: [`delete_published`], [`archive_published`].
 
 use diesel::QueryableByName;

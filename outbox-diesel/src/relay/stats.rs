@@ -22,9 +22,57 @@ pub async fn table_exists(conn: &mut AsyncPgConnection, table: &OutboxTable) -> 
     Ok(f.flag.unwrap_or(false))
 }
 
+/// The channel on which the relay that reads `table`'s backlog sends the figures to its other
+/// relays (see [`AdvisoryLock::Statistics`](super::AdvisoryLock::Statistics)):
+/// `outbox_stats_<table OID>`, which fits any table name in PostgreSQL's 63-byte channel names
+/// and is the table's in this database whatever its name's case or schema. An error when the
+/// table does not exist.
+pub async fn statistics_channel(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+) -> QueryResult<String> {
+    #[derive(QueryableByName)]
+    struct Channel {
+        #[diesel(sql_type = Nullable<Text>)]
+        name: Option<String>,
+    }
+    let c: Channel =
+        diesel::sql_query("SELECT 'outbox_stats_' || to_regclass($1)::oid::int8 AS name")
+            .bind::<Text, _>(table.quoted())
+            .get_result(conn)
+            .await?;
+    c.name.ok_or_else(|| {
+        diesel::result::Error::QueryBuilderError(
+            format!("the outbox table {table} does not exist (or this role may not see it)").into(),
+        )
+    })
+}
+
+/// `LISTEN` on `channel` (a [`statistics_channel`]), for the figures another relay sends.
+pub async fn listen_statistics(conn: &mut AsyncPgConnection, channel: &str) -> QueryResult<()> {
+    use diesel_async::SimpleAsyncConnection;
+    conn.batch_execute(&format!("LISTEN \"{}\"", channel.replace('"', "\"\"")))
+        .await
+}
+
+/// Sends `payloads` on `channel` with `NOTIFY`, in order, in one transaction: a listener
+/// receives all of them, one after the other, or none. Each must be under 8,000 bytes.
+pub async fn notify_statistics(
+    conn: &mut AsyncPgConnection,
+    channel: &str,
+    payloads: &[String],
+) -> QueryResult<()> {
+    diesel::sql_query("SELECT pg_notify($1, x) FROM unnest($2::text[]) AS x")
+        .bind::<Text, _>(channel)
+        .bind::<diesel::sql_types::Array<Text>, _>(payloads)
+        .execute(conn)
+        .await
+        .map(drop)
+}
+
 /// The backlog of a table: unpublished rows, the age of the oldest, parked rows, and the rows
 /// whose publishing was attempted and failed (in doubt).
-#[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize, serde::Deserialize)]
 pub struct Backlog {
     /// Rows not published yet (parked ones included).
     #[diesel(sql_type = BigInt)]
@@ -79,7 +127,7 @@ async fn backlog_sql(conn: &mut AsyncPgConnection, table: &OutboxTable) -> Query
 }
 
 /// The backlog of one partition (see [`partition_backlog`]).
-#[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize, serde::Deserialize)]
 pub struct PartitionBacklog {
     /// The partition: `aggregate_hash % count`.
     #[diesel(sql_type = Integer)]

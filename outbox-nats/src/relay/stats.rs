@@ -2,17 +2,151 @@
 //! every `stats_interval` on a session of its own (JIT off, `application_name`
 //! `outbox-relay-stats`), so that a slow statistics query never holds up publishing; the
 //! first time at a random point of the first interval.
+//!
+//! Reading the backlog reads every unpublished row, so the relays of a table share one
+//! reading: the relay whose statistics session holds the table's statistics lock
+//! ([`db::AdvisoryLock::Statistics`]) reads the figures every interval and sends them to the
+//! others with `NOTIFY` on the table's statistics channel ([`db::statistics_channel`]); the
+//! others set their gauges from what they hear, as it arrives. A backlog of millions is read
+//! once per interval, not once per relay. The lock lasts as long as the reader's session: when
+//! that relay stops, another takes it at its next tick. A relay that has heard nothing for
+//! three intervals (the reader is paused, or its reading is slow) reads the figures itself,
+//! and so does one that runs with another partition count than the reader (while N changes).
 
+use std::borrow::Cow;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use diesel_async::AsyncPgConnection;
+use futures_util::StreamExt;
 use outbox_diesel::relay as db;
+use outbox_diesel::relay::{Backlog, PartitionBacklog};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::metrics as m;
 use crate::{Health, RelayConfig};
+
+/// Partitions per notification: a `NOTIFY` payload is under 8,000 bytes, and a partition's
+/// figures take at most ~115 in JSON.
+const CHUNK: usize = 48;
+
+/// One notification of the reader's: its figures of one reading, the partitions in chunks.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Shared<'a> {
+    /// The reading relay (a random id of its statistics task) and the reading: the
+    /// notifications of one reading.
+    reader: u64,
+    pass: u64,
+    /// The partition count the reading split the table into.
+    partitions: u32,
+    /// This notification's place among the reading's `chunks`.
+    chunk: usize,
+    chunks: usize,
+    total: Cow<'a, Backlog>,
+    parts: Cow<'a, [PartitionBacklog]>,
+}
+
+/// A reading of the backlog: the table's, and its partitions' when it is partitioned.
+struct Figures {
+    total: Backlog,
+    parts: Option<Vec<PartitionBacklog>>,
+}
+
+/// What a relay heard from the reader.
+struct Heard {
+    /// This task's id, to pass over its own notifications.
+    me: u64,
+    /// When it last heard from a reader (or started listening).
+    last: Instant,
+    /// The last complete reading was of another partition count than this relay's.
+    other_count: bool,
+    /// The reading being received: its reader, its pass, its partitions so far.
+    pending: Option<(u64, u64, Vec<PartitionBacklog>)>,
+}
+
+impl Heard {
+    /// Takes in one notification; returns the reading it completes, if it is of `partitions`.
+    fn take(&mut self, payload: &str, partitions: u32) -> Option<Figures> {
+        let shared: Shared<'_> = match serde_json::from_str(payload) {
+            Ok(s) => s,
+            Err(e) => {
+                debug!(error = %e, "ignored a statistics notification that is not a relay's");
+                return None;
+            }
+        };
+        if shared.reader == self.me {
+            return None;
+        }
+        self.last = Instant::now();
+        let key = (shared.reader, shared.pass);
+        let mut parts = match self.pending.take() {
+            _ if shared.chunk == 0 => Vec::with_capacity(partitions as usize),
+            Some((reader, pass, parts)) if (reader, pass) == key => parts,
+            // a chunk of a reading whose start this relay did not hear: wait for the next
+            _ => return None,
+        };
+        parts.extend(shared.parts.iter().cloned());
+        if shared.chunk + 1 < shared.chunks {
+            self.pending = Some((key.0, key.1, parts));
+            return None;
+        }
+        self.other_count = shared.partitions != partitions;
+        if self.other_count || (partitions > 1 && parts.len() != partitions as usize) {
+            return None;
+        }
+        Some(Figures {
+            total: shared.total.into_owned(),
+            parts: (partitions > 1).then_some(parts),
+        })
+    }
+
+    /// Whether this relay reads the figures itself though another holds the lock: it heard
+    /// nothing for `stale_after`, or the reader runs with another partition count.
+    fn reads_itself(&self, stale_after: Duration) -> bool {
+        self.other_count || self.last.elapsed() > stale_after
+    }
+}
+
+/// The statistics session: its connection, its channel, and whether it holds the lock.
+struct Session {
+    conn: AsyncPgConnection,
+    channel: String,
+    reader: bool,
+}
+
+impl Session {
+    async fn open(cfg: &RelayConfig) -> Option<Session> {
+        let mut conn = outbox_diesel::connect(&cfg.database_url)
+            .await
+            .map_err(|e| debug!(error = %e, "statistics session: connect failed"))
+            .ok()?;
+        let set_up = async {
+            db::prepare_side_session(&mut conn).await?;
+            db::set_application_name(&mut conn, "outbox-relay-stats").await?;
+            let channel = db::statistics_channel(&mut conn, &cfg.table).await?;
+            db::listen_statistics(&mut conn, &channel).await?;
+            Ok::<_, diesel::result::Error>(channel)
+        };
+        match set_up.await {
+            Ok(channel) => Some(Session {
+                conn,
+                channel,
+                reader: false,
+            }),
+            Err(e) => {
+                debug!(error = %e, "statistics session: set-up failed");
+                None
+            }
+        }
+    }
+}
+
+/// What the task woke up for.
+enum Wake {
+    Tick,
+    Note(Option<diesel::QueryResult<diesel::pg::PgNotification>>),
+}
 
 /// Refreshes the backlog gauges (per partition too when partitioned), the connection and
 /// readiness gauges, and warns on a stall or a backlog older than the stream's duplicate
@@ -23,89 +157,298 @@ pub(super) async fn stats(
     duplicate_window: Duration,
     shutdown: CancellationToken,
 ) {
-    let mut conn: Option<AsyncPgConnection> = None;
-    // the first pass at a random point of the first interval: each pass reads every
-    // unpublished row, and relays started together (a fleet restarted on a backlog of
-    // millions) read it all at once, each of them, when the database is busiest
+    let mut session: Option<Session> = None;
+    // the first pass at a random point of the first interval: each reading reads every
+    // unpublished row, and a relay that finds no reader reads, so relays started together
+    // (a fleet restarted on a backlog of millions) would read it all at once
     let first = cfg.stats_interval.mul_f64(crate::backoff::unit_random());
     let mut tick =
         tokio::time::interval_at(tokio::time::Instant::now() + first, cfg.stats_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let partitions = cfg.mode.partitions();
-    let partitioned = partitions > 1;
-    let window = duplicate_window.as_secs_f64();
+    let stale_after = cfg.stats_interval * 3;
+    let mut heard = Heard {
+        me: (crate::backoff::unit_random() * u64::MAX as f64) as u64,
+        last: Instant::now(),
+        other_count: false,
+        pending: None,
+    };
+    let mut pass = 0u64;
+    let lock = db::AdvisoryLock::Statistics(&cfg.table);
     loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = shutdown.cancelled() => return,
+        let wake = match session.as_mut() {
+            Some(s) => {
+                let mut notes = std::pin::pin!(s.conn.notifications_stream());
+                tokio::select! {
+                    _ = tick.tick() => Wake::Tick,
+                    n = notes.next() => Wake::Note(n),
+                    _ = shutdown.cancelled() => return,
+                }
+            }
+            None => tokio::select! {
+                _ = tick.tick() => Wake::Tick,
+                _ = shutdown.cancelled() => return,
+            },
+        };
+        match wake {
+            Wake::Note(Some(Ok(note))) => {
+                if let Some(f) = heard.take(&note.payload, partitions) {
+                    apply(&cfg, &health, duplicate_window, &f);
+                }
+                continue;
+            }
+            Wake::Note(Some(Err(e))) => {
+                debug!(error = %e, "statistics session failed");
+                session = None;
+                continue;
+            }
+            Wake::Note(None) => {
+                session = None;
+                continue;
+            }
+            Wake::Tick => {}
         }
         metrics::gauge!(m::NATS_CONNECTED).set(if health.nats_connected() { 1.0 } else { 0.0 });
         metrics::gauge!(m::READY).set(if health.ready() { 1.0 } else { 0.0 });
-        if conn.is_none() {
-            conn = match outbox_diesel::connect(&cfg.database_url).await {
-                Ok(mut c) => match db::prepare_side_session(&mut c).await {
-                    Ok(()) => db::set_application_name(&mut c, "outbox-relay-stats")
-                        .await
-                        .ok()
-                        .map(|()| c),
-                    Err(_) => None,
-                },
-                Err(_) => None,
-            };
+        if session.is_none() {
+            session = Session::open(&cfg).await;
         }
-        let Some(c) = conn.as_mut() else { continue };
-        // one snapshot for the table and its partitions, the partitions' gauges set first: a
-        // scrape never sees a total its partitions do not add up to
-        let read = if partitioned {
-            db::backlogs(c, &cfg.table, partitions)
-                .await
-                .map(|(b, parts)| (b, Some(parts)))
-        } else {
-            db::backlog(c, &cfg.table).await.map(|b| (b, None))
+        let Some(s) = session.as_mut() else {
+            metrics::gauge!(m::STATISTICS_READER).set(0.0);
+            continue;
         };
-        match read {
-            Ok((b, parts)) => {
-                for p in parts.into_iter().flatten() {
-                    let label = p.partition.to_string();
-                    metrics::gauge!(m::PARTITION_BACKLOG_ROWS, "partition" => label.clone())
-                        .set(p.unpublished as f64);
-                    metrics::gauge!(m::PARTITION_OLDEST_AGE, "partition" => label)
-                        .set(p.oldest_age_seconds);
+        if !s.reader {
+            match lock.try_lock(&mut s.conn).await {
+                Ok(taken) => s.reader = taken,
+                Err(e) => {
+                    debug!(error = %e, "statistics lock failed");
+                    session = None;
+                    continue;
                 }
-                metrics::gauge!(m::BACKLOG_ROWS).set(b.unpublished as f64);
-                metrics::gauge!(m::OLDEST_AGE).set(b.oldest_age_seconds);
-                metrics::gauge!(m::PARKED_ROWS).set(b.parked as f64);
-                metrics::gauge!(m::IN_DOUBT_ROWS).set(b.in_doubt as f64);
-                metrics::gauge!(m::OLDEST_IN_DOUBT_AGE).set(b.oldest_in_doubt_age_seconds);
-                let stalled = b.oldest_age_seconds > cfg.stall_after.as_secs_f64();
-                metrics::gauge!(m::STALLED).set(if stalled { 1.0 } else { 0.0 });
-                if stalled && health.owned_partitions() > 0 {
-                    warn!(
-                        oldest_age_seconds = b.oldest_age_seconds,
-                        backlog = b.unpublished,
-                        "outbox backlog is stalled: its oldest row waits longer than --stall-after"
-                    );
-                }
-                // an in-doubt row may already be in the stream: once older than the window, JetStream
-                // no longer drops its re-publish, so the relay looks it up first (`reconcile`)
-                let beyond =
-                    b.oldest_age_seconds > window || b.oldest_in_doubt_age_seconds > window;
-                metrics::gauge!(m::BEYOND_DUPLICATE_WINDOW).set(if beyond { 1.0 } else { 0.0 });
-                if beyond {
-                    warn!(
-                        oldest_age_seconds = b.oldest_age_seconds,
-                        in_doubt = b.in_doubt,
-                        oldest_in_doubt_age_seconds = b.oldest_in_doubt_age_seconds,
-                        duplicate_window = ?duplicate_window,
-                        "unpublished or in-doubt rows are older than the stream's duplicate window: JetStream would not drop a re-publish of them, so each is looked up in the stream before it is sent (outbox_events_reconciled_total counts those found)"
-                    );
+            }
+            if s.reader {
+                debug!("this relay reads the table's backlog figures for its relays");
+            }
+            metrics::gauge!(m::STATISTICS_READER).set(if s.reader { 1.0 } else { 0.0 });
+        }
+        if !s.reader && !heard.reads_itself(stale_after) {
+            continue;
+        }
+        let started = Instant::now();
+        match read(&mut s.conn, &cfg, partitions).await {
+            Ok(f) => {
+                apply(&cfg, &health, duplicate_window, &f);
+                debug!(
+                    backlog = f.total.unpublished,
+                    took = ?started.elapsed(),
+                    for_the_others = s.reader,
+                    "read the backlog"
+                );
+                if s.reader {
+                    pass += 1;
+                    if let Err(e) = share(s, heard.me, pass, partitions, &f).await {
+                        debug!(error = %e, "statistics could not be sent to the other relays");
+                        session = None;
+                    }
                 }
             }
             Err(e) => {
                 debug!(error = %e, "backlog query failed");
-                conn = None;
-                continue;
+                session = None;
             }
         }
+    }
+}
+
+/// Reads the backlog: one snapshot for the table and its partitions.
+async fn read(
+    conn: &mut AsyncPgConnection,
+    cfg: &RelayConfig,
+    partitions: u32,
+) -> diesel::QueryResult<Figures> {
+    if partitions > 1 {
+        let (total, parts) = db::backlogs(conn, &cfg.table, partitions).await?;
+        Ok(Figures {
+            total,
+            parts: Some(parts),
+        })
+    } else {
+        let total = db::backlog(conn, &cfg.table).await?;
+        Ok(Figures { total, parts: None })
+    }
+}
+
+/// Sends a reading to the table's other relays: one notification per [`CHUNK`] partitions,
+/// all in one transaction.
+async fn share(
+    s: &mut Session,
+    reader: u64,
+    pass: u64,
+    partitions: u32,
+    f: &Figures,
+) -> diesel::QueryResult<()> {
+    let parts = f.parts.as_deref().unwrap_or(&[]);
+    let chunks: Vec<&[PartitionBacklog]> = match parts.len() {
+        0 => vec![&[]],
+        _ => parts.chunks(CHUNK).collect(),
+    };
+    let payloads = chunks
+        .iter()
+        .enumerate()
+        .map(|(chunk, parts)| {
+            serde_json::to_string(&Shared {
+                reader,
+                pass,
+                partitions,
+                chunk,
+                chunks: chunks.len(),
+                total: Cow::Borrowed(&f.total),
+                parts: Cow::Borrowed(parts),
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| diesel::result::Error::SerializationError(Box::new(e)))?;
+    db::notify_statistics(&mut s.conn, &s.channel, &payloads).await
+}
+
+/// Sets the gauges from a reading (the partitions' first: a scrape never sees a total its
+/// partitions do not add up to), and warns on a stall or rows older than the duplicate window.
+fn apply(cfg: &RelayConfig, health: &Health, duplicate_window: Duration, f: &Figures) {
+    for p in f.parts.iter().flatten() {
+        let label = p.partition.to_string();
+        metrics::gauge!(m::PARTITION_BACKLOG_ROWS, "partition" => label.clone())
+            .set(p.unpublished as f64);
+        metrics::gauge!(m::PARTITION_OLDEST_AGE, "partition" => label).set(p.oldest_age_seconds);
+    }
+    let b = &f.total;
+    metrics::gauge!(m::BACKLOG_ROWS).set(b.unpublished as f64);
+    metrics::gauge!(m::OLDEST_AGE).set(b.oldest_age_seconds);
+    metrics::gauge!(m::PARKED_ROWS).set(b.parked as f64);
+    metrics::gauge!(m::IN_DOUBT_ROWS).set(b.in_doubt as f64);
+    metrics::gauge!(m::OLDEST_IN_DOUBT_AGE).set(b.oldest_in_doubt_age_seconds);
+    let stalled = b.oldest_age_seconds > cfg.stall_after.as_secs_f64();
+    metrics::gauge!(m::STALLED).set(if stalled { 1.0 } else { 0.0 });
+    if stalled && health.owned_partitions() > 0 {
+        warn!(
+            oldest_age_seconds = b.oldest_age_seconds,
+            backlog = b.unpublished,
+            "outbox backlog is stalled: its oldest row waits longer than --stall-after"
+        );
+    }
+    // an in-doubt row may already be in the stream: once older than the window, JetStream
+    // no longer drops its re-publish, so the relay looks it up first (`reconcile`)
+    let window = duplicate_window.as_secs_f64();
+    let beyond = b.oldest_age_seconds > window || b.oldest_in_doubt_age_seconds > window;
+    metrics::gauge!(m::BEYOND_DUPLICATE_WINDOW).set(if beyond { 1.0 } else { 0.0 });
+    if beyond {
+        warn!(
+            oldest_age_seconds = b.oldest_age_seconds,
+            in_doubt = b.in_doubt,
+            oldest_in_doubt_age_seconds = b.oldest_in_doubt_age_seconds,
+            duplicate_window = ?duplicate_window,
+            "unpublished or in-doubt rows are older than the stream's duplicate window: JetStream would not drop a re-publish of them, so each is looked up in the stream before it is sent (outbox_events_reconciled_total counts those found)"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn backlog(unpublished: i64) -> Backlog {
+        Backlog {
+            unpublished,
+            oldest_age_seconds: 1.5,
+            parked: 0,
+            in_doubt: 0,
+            oldest_in_doubt_age_seconds: 0.0,
+        }
+    }
+
+    fn part(partition: i32) -> PartitionBacklog {
+        PartitionBacklog {
+            partition,
+            unpublished: i64::MAX,
+            oldest_age_seconds: 1.234_567_890_123_456_7e-5,
+            parked: i64::MAX,
+        }
+    }
+
+    fn payload(reader: u64, pass: u64, count: u32, chunk: usize, chunks: usize) -> String {
+        let parts: Vec<_> = (0..count as i32)
+            .skip(chunk * CHUNK)
+            .take(CHUNK)
+            .map(part)
+            .collect();
+        serde_json::to_string(&Shared {
+            reader,
+            pass,
+            partitions: count,
+            chunk,
+            chunks,
+            total: Cow::Owned(backlog(7)),
+            parts: Cow::Owned(parts),
+        })
+        .expect("serialize")
+    }
+
+    fn heard() -> Heard {
+        Heard {
+            me: 1,
+            last: Instant::now(),
+            other_count: false,
+            pending: None,
+        }
+    }
+
+    #[test]
+    fn a_full_chunk_of_the_widest_figures_fits_a_notification() {
+        let p = payload(u64::MAX, u64::MAX, 1024, 0, 22);
+        assert!(p.len() < 8000, "{} bytes", p.len());
+    }
+
+    #[test]
+    fn a_reading_in_chunks_is_taken_once_complete_and_of_the_same_partition_count() {
+        let mut h = heard();
+        let chunks = 100usize.div_ceil(CHUNK);
+        for c in 0..chunks - 1 {
+            assert!(h.take(&payload(2, 9, 100, c, chunks), 100).is_none());
+        }
+        let f = h
+            .take(&payload(2, 9, 100, chunks - 1, chunks), 100)
+            .expect("complete");
+        assert_eq!(f.total.unpublished, 7);
+        let parts = f.parts.expect("partitions");
+        assert_eq!(parts.len(), 100);
+        assert!(
+            parts
+                .iter()
+                .enumerate()
+                .all(|(i, p)| p.partition == i as i32)
+        );
+        // another count: not taken, and this relay reads itself
+        assert!(h.take(&payload(2, 10, 8, 0, 1), 100).is_none());
+        assert!(h.reads_itself(Duration::from_secs(60)));
+        assert!(h.take(&payload(2, 11, 100, 0, chunks), 100).is_none());
+        assert!(h.take(&payload(2, 11, 100, 1, chunks), 100).is_none());
+        assert!(h.take(&payload(2, 11, 100, 2, chunks), 100).is_some());
+        assert!(!h.reads_itself(Duration::from_secs(60)));
+    }
+
+    #[test]
+    fn a_reading_heard_from_its_middle_or_its_own_or_not_a_relays_is_not_taken() {
+        let mut h = heard();
+        assert!(h.take(&payload(2, 9, 100, 1, 3), 100).is_none());
+        assert!(h.take(&payload(2, 9, 100, 2, 3), 100).is_none());
+        // this relay's own
+        assert!(h.take(&payload(1, 9, 1, 0, 1), 1).is_none());
+        assert!(h.take("not json", 1).is_none());
+        // chunks of two readers interleaved: neither completes
+        assert!(h.take(&payload(2, 9, 100, 0, 3), 100).is_none());
+        assert!(h.take(&payload(3, 1, 100, 1, 3), 100).is_none());
+        assert!(h.take(&payload(2, 9, 100, 2, 3), 100).is_none());
+        // one unpartitioned reading
+        let f = h.take(&payload(3, 2, 1, 0, 1), 1).expect("taken");
+        assert!(f.parts.is_none());
     }
 }
