@@ -202,8 +202,9 @@ pub struct RelayArgs {
     /// than this.
     #[arg(long, env = "OUTBOX_STALL_AFTER", default_value = "30s", value_parser = humantime::parse_duration)]
     pub stall_after: Duration,
-    /// How often the backlog gauges are refreshed from the database (each time a read of every
-    /// unpublished row; the first time at a random point of the first interval).
+    /// How often the backlog gauges are refreshed from the database: one relay of the table
+    /// reads every unpublished row and sends the figures to the others; the first time at a
+    /// random point of the first interval, and never more than a tenth of the time.
     #[arg(long, env = "OUTBOX_STATS_INTERVAL", default_value = "5s", value_parser = humantime::parse_duration)]
     pub stats_interval: Duration,
     /// The log-tailing mode's flags.

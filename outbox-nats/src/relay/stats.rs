@@ -12,6 +12,11 @@
 //! that relay stops, another takes it at its next tick. A relay that has heard nothing for
 //! three intervals (the reader is paused, or its reading is slow) reads the figures itself,
 //! and so does one that runs with another partition count than the reader (while N changes).
+//!
+//! A reading takes at most a tenth of the time: after one that took `d`, the next comes no
+//! sooner than `10 × d` later, whatever the interval (a backlog of 10,000,000 rows read every
+//! 5 s would keep the database's core busy for 2 s of every 5). The reader sends that spacing
+//! with its figures, and the others wait three of them before they read themselves.
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -31,6 +36,15 @@ use crate::{Health, RelayConfig};
 /// figures take at most ~115 in JSON.
 const CHUNK: usize = 48;
 
+/// A reading that took `d` is followed by the next no sooner than `READING_SPACING × d` later.
+const READING_SPACING: u32 = 10;
+
+/// How long after a reading that took `took` the next may come: the interval, or ten times the
+/// reading when that is longer.
+fn spacing(interval: Duration, took: Duration) -> Duration {
+    interval.max(took.saturating_mul(READING_SPACING))
+}
+
 /// One notification of the reader's: its figures of one reading, the partitions in chunks.
 #[derive(serde::Serialize, serde::Deserialize)]
 struct Shared<'a> {
@@ -45,6 +59,9 @@ struct Shared<'a> {
     chunks: usize,
     total: Cow<'a, Backlog>,
     parts: Cow<'a, [PartitionBacklog]>,
+    /// Milliseconds until the reader's next reading (see [`spacing`]).
+    #[serde(default)]
+    next_ms: u64,
 }
 
 /// A reading of the backlog: the table's, and its partitions' when it is partitioned.
@@ -61,6 +78,8 @@ struct Heard {
     last: Instant,
     /// The last complete reading was of another partition count than this relay's.
     other_count: bool,
+    /// How long the reader said it would wait before its next reading.
+    reader_spacing: Duration,
     /// The reading being received: its reader, its pass, its partitions so far.
     pending: Option<(u64, u64, Vec<PartitionBacklog>)>,
 }
@@ -79,6 +98,7 @@ impl Heard {
             return None;
         }
         self.last = Instant::now();
+        self.reader_spacing = Duration::from_millis(shared.next_ms);
         let key = (shared.reader, shared.pass);
         let mut parts = match self.pending.take() {
             _ if shared.chunk == 0 => Vec::with_capacity(partitions as usize),
@@ -102,9 +122,11 @@ impl Heard {
     }
 
     /// Whether this relay reads the figures itself though another holds the lock: it heard
-    /// nothing for `stale_after`, or the reader runs with another partition count.
-    fn reads_itself(&self, stale_after: Duration) -> bool {
-        self.other_count || self.last.elapsed() > stale_after
+    /// nothing for three of its intervals or of the reader's spacings, whichever is longer, or
+    /// the reader runs with another partition count.
+    fn reads_itself(&self, interval: Duration) -> bool {
+        self.other_count
+            || self.last.elapsed() > interval.max(self.reader_spacing).saturating_mul(3)
     }
 }
 
@@ -166,13 +188,15 @@ pub(super) async fn stats(
         tokio::time::interval_at(tokio::time::Instant::now() + first, cfg.stats_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let partitions = cfg.mode.partitions();
-    let stale_after = cfg.stats_interval * 3;
     let mut heard = Heard {
         me: (crate::backoff::unit_random() * u64::MAX as f64) as u64,
         last: Instant::now(),
         other_count: false,
+        reader_spacing: Duration::ZERO,
         pending: None,
     };
+    // no reading before this (see `spacing`)
+    let mut next_reading = Instant::now();
     let mut pass = 0u64;
     let lock = db::AdvisoryLock::Statistics(&cfg.table);
     loop {
@@ -231,22 +255,30 @@ pub(super) async fn stats(
             }
             metrics::gauge!(m::STATISTICS_READER).set(if s.reader { 1.0 } else { 0.0 });
         }
-        if !s.reader && !heard.reads_itself(stale_after) {
+        if !s.reader && !heard.reads_itself(cfg.stats_interval) {
             continue;
         }
         let started = Instant::now();
+        if started < next_reading {
+            continue;
+        }
         match read(&mut s.conn, &cfg, partitions).await {
             Ok(f) => {
                 apply(&cfg, &health, duplicate_window, &f);
+                let took = started.elapsed();
+                let next = spacing(cfg.stats_interval, took);
+                // the tick that comes at the end of the spacing reads, not the one after it
+                next_reading = started + next.saturating_sub(cfg.stats_interval / 2);
                 debug!(
                     backlog = f.total.unpublished,
-                    took = ?started.elapsed(),
+                    took = ?took,
+                    next = ?next,
                     for_the_others = s.reader,
                     "read the backlog"
                 );
                 if s.reader {
                     pass += 1;
-                    if let Err(e) = share(s, heard.me, pass, partitions, &f).await {
+                    if let Err(e) = share(s, (heard.me, pass), partitions, next, &f).await {
                         debug!(error = %e, "statistics could not be sent to the other relays");
                         session = None;
                     }
@@ -282,9 +314,9 @@ async fn read(
 /// all in one transaction.
 async fn share(
     s: &mut Session,
-    reader: u64,
-    pass: u64,
+    (reader, pass): (u64, u64),
     partitions: u32,
+    next: Duration,
     f: &Figures,
 ) -> diesel::QueryResult<()> {
     let parts = f.parts.as_deref().unwrap_or(&[]);
@@ -304,6 +336,7 @@ async fn share(
                 chunks: chunks.len(),
                 total: Cow::Borrowed(&f.total),
                 parts: Cow::Borrowed(parts),
+                next_ms: next.as_millis() as u64,
             })
         })
         .collect::<Result<Vec<_>, _>>()
@@ -388,6 +421,7 @@ mod tests {
             chunks,
             total: Cow::Owned(backlog(7)),
             parts: Cow::Owned(parts),
+            next_ms: u64::MAX,
         })
         .expect("serialize")
     }
@@ -397,6 +431,7 @@ mod tests {
             me: 1,
             last: Instant::now(),
             other_count: false,
+            reader_spacing: Duration::ZERO,
             pending: None,
         }
     }
@@ -450,5 +485,28 @@ mod tests {
         // one unpartitioned reading
         let f = h.take(&payload(3, 2, 1, 0, 1), 1).expect("taken");
         assert!(f.parts.is_none());
+    }
+
+    #[test]
+    fn a_slow_reading_spaces_the_next_and_the_others_wait_for_it() {
+        let s = Duration::from_secs(5);
+        assert_eq!(spacing(s, Duration::from_millis(200)), s);
+        assert_eq!(spacing(s, Duration::from_secs(2)), Duration::from_secs(20));
+        let mut h = heard();
+        h.last = Instant::now() - Duration::from_secs(16);
+        assert!(h.reads_itself(s), "nothing heard for three intervals");
+        let mut p: serde_json::Value = serde_json::from_str(&payload(2, 1, 1, 0, 1)).expect("json");
+        p["next_ms"] = 20_000.into();
+        assert!(h.take(&p.to_string(), 1).is_some());
+        h.last = Instant::now() - Duration::from_secs(16);
+        assert!(!h.reads_itself(s), "the reader said it reads every 20 s");
+        h.last = Instant::now() - Duration::from_secs(61);
+        assert!(h.reads_itself(s));
+        // a reader that sends no spacing: the interval
+        let mut old = p.clone();
+        old.as_object_mut().expect("object").remove("next_ms");
+        assert!(h.take(&old.to_string(), 1).is_some());
+        h.last = Instant::now() - Duration::from_secs(16);
+        assert!(h.reads_itself(s));
     }
 }
