@@ -349,8 +349,8 @@ async fn dedup_window_guard(extra: &[&str]) {
 
 /// The relays of a table read its backlog once per `--stats-interval` between them, not once
 /// each (a reading reads every unpublished row): the relay holding the table's statistics lock
-/// reads it and sends the figures, every relay reports them, and when that relay stops another
-/// reads.
+/// reads it and sends the figures, every relay reports them, when that relay stops another
+/// reads, and while it hangs the others read themselves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relays_of_a_table_read_its_backlog_once_between_them_and_each_reports_it() {
     const PARKED: i64 = 3000;
@@ -472,6 +472,37 @@ async fn relays_of_a_table_read_its_backlog_once_between_them_and_each_reports_i
         readers(&relays).await.iter().flatten().sum::<f64>() == 1.0
     })
     .await;
+
+    // the reader hangs (its session, and so the lock, lives on): after three intervals of
+    // silence the other relay reads the figures itself
+    let flags = readers(&relays).await;
+    let reader = flags
+        .iter()
+        .position(|f| *f == Some(1.0))
+        .expect("a reader");
+    let (hung, _) = &relays[reader];
+    let (_, other) = &relays[1 - reader];
+    hung.proc.signal("STOP");
+    db.execute(
+        "UPDATE outbox SET attempts = 1 WHERE aggregate_id IN \
+         (SELECT 'parked-' || g FROM generate_series(301, 500) g)",
+        "500 rows in doubt",
+    );
+    let silent = Instant::now();
+    wait_metric(other, "outbox_in_doubt_rows", &[], t, "500 in doubt", |v| {
+        v == 500.0
+    })
+    .await;
+    hung.proc.signal("CONT");
+    println!(
+        "with the reader stopped, the other relay read the figures itself after {:?}",
+        silent.elapsed()
+    );
+    assert_eq!(
+        sample(&scrape(other).await, "outbox_statistics_reader", &[]),
+        Some(0.0),
+        "the stopped reader kept the lock"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
