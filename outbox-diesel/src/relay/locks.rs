@@ -32,7 +32,7 @@ pub const STATISTICS_LOCK_KEY: i32 = 0x4F42_5354;
 /// | [`Statistics`](Self::Statistics) | the relay that reads the table's backlog for the others, exclusive | `(STATISTICS_LOCK_KEY, <table OID>)` |
 ///
 /// The two-key form and the 64-bit form are apart in `pg_locks` (`objsubid` 2 and 1). A
-/// relay's join ticket (see [`join_members`]) is the fourth kind: `<table OID> << 32 |
+/// relay's join ticket (see [`join_members`]) is the fifth kind: `<table OID> << 32 |
 /// <ticket>`, below 2^31, taken by the query that picks it.
 ///
 /// ```no_run
@@ -80,41 +80,43 @@ impl AdvisoryLock<'_> {
     }
 
     async fn call(&self, conn: &mut AsyncPgConnection, function: &str) -> QueryResult<bool> {
-        let f: Flag =
-            match *self {
-                Self::Partition(table, partition) => {
-                    diesel::sql_query(format!(
-                        "SELECT {function}(to_regclass($1)::oid::int, $2) AS flag"
-                    ))
-                    .bind::<Text, _>(table.quoted())
-                    .bind::<Integer, _>(partition.index as i32)
-                    .get_result(conn)
-                    .await?
-                }
-                Self::Slot(slot) => {
-                    diesel::sql_query(format!(
-                        "SELECT {function}({SLOT_LOCK_KEY}, hashtext($1)) AS flag"
-                    ))
-                    .bind::<Text, _>(slot)
-                    .get_result(conn)
-                    .await?
-                }
-                Self::Statistics(table) => diesel::sql_query(format!(
-                    "SELECT {function}({STATISTICS_LOCK_KEY}, to_regclass($1)::oid::int) AS flag"
+        let f: Flag = match *self {
+            Self::Partition(table, partition) => {
+                diesel::sql_query(format!(
+                    "SELECT {function}(to_regclass($1)::oid::int, $2) AS flag"
                 ))
                 .bind::<Text, _>(table.quoted())
+                .bind::<Integer, _>(partition.index as i32)
                 .get_result(conn)
-                .await?,
-                Self::PartitionCount(table, partitions) => {
-                    diesel::sql_query(format!(
-                        "SELECT {function}((to_regclass($1)::oid::bigint << 32) | $2) AS flag"
-                    ))
-                    .bind::<Text, _>(table.quoted())
-                    .bind::<BigInt, _>(COUNT_KEY | i64::from(partitions))
-                    .get_result(conn)
-                    .await?
-                }
-            };
+                .await?
+            }
+            Self::Slot(slot) => {
+                diesel::sql_query(format!(
+                    "SELECT {function}({SLOT_LOCK_KEY}, hashtext($1)) AS flag"
+                ))
+                .bind::<Text, _>(slot)
+                .get_result(conn)
+                .await?
+            }
+            Self::Statistics(table) => {
+                diesel::sql_query(format!(
+                    "SELECT {function}($2, to_regclass($1)::oid::int) AS flag"
+                ))
+                .bind::<Text, _>(table.quoted())
+                .bind::<Integer, _>(STATISTICS_LOCK_KEY)
+                .get_result(conn)
+                .await?
+            }
+            Self::PartitionCount(table, partitions) => {
+                diesel::sql_query(format!(
+                    "SELECT {function}((to_regclass($1)::oid::bigint << 32) | $2) AS flag"
+                ))
+                .bind::<Text, _>(table.quoted())
+                .bind::<BigInt, _>(COUNT_KEY | i64::from(partitions))
+                .get_result(conn)
+                .await?
+            }
+        };
         Ok(f.flag.unwrap_or(false))
     }
 }
