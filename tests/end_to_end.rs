@@ -656,6 +656,25 @@ async fn aggregates_in(stream: &TestStream) -> Vec<String> {
 async fn a_table_made_before_snapshot_batches_is_upgraded_and_publishes_only_its_unpublished_rows()
 {
     use diesel_migrations::MigrationHarness;
+    upgraded_before_snapshot_batches(|conn| {
+        conn.run_pending_migrations(outbox_diesel::MIGRATIONS)
+            .expect("upgrade");
+    })
+    .await;
+}
+
+/// The same upgraded by `create_table` (a table of another name has no migrations), which
+/// builds the transaction id index once, on `(txid, seq)`.
+#[tokio::test]
+async fn a_table_made_before_snapshot_batches_is_upgraded_by_create_table() {
+    upgraded_before_snapshot_batches(|conn| {
+        outbox_diesel::create_table(conn, &OutboxTable::DEFAULT).expect("upgrade");
+    })
+    .await;
+}
+
+async fn upgraded_before_snapshot_batches(upgrade: impl FnOnce(&mut PgConnection)) {
+    use diesel_migrations::MigrationHarness;
     let (db, stream) = (TestDb::new(), TestStream::new());
     let mut conn = db.conn();
     for _ in 0..2 {
@@ -676,9 +695,16 @@ async fn a_table_made_before_snapshot_batches_is_upgraded_and_publishes_only_its
 
     assert_refused(&db, &stream, "predates snapshot batches").await;
 
-    conn.run_pending_migrations(outbox_diesel::MIGRATIONS)
-        .expect("upgrade");
+    upgrade(&mut conn);
     assert_eq!(db.scalar(has_txid), 1);
+    assert_eq!(
+        db.scalar(
+            "SELECT count(*) FROM pg_indexes WHERE tablename = 'outbox' \
+             AND indexname = 'outbox_txid' AND indexdef LIKE '%(txid, seq)'"
+        ),
+        1,
+        "the transaction id index carries seq"
+    );
     let relay = InProcessRelay::start(config(&db, &stream), &stream).await;
     conn.transaction(|conn| {
         conn.record_event(&OrderPlaced {

@@ -195,6 +195,28 @@ fn late_pass_sql(table: &OutboxTable) -> String {
         .to_owned()
 }
 
+/// The upgrade of a table made before snapshot batches: [`snapshot_sql`] then
+/// [`late_pass_sql`], with the transaction id index built once, on `(txid, seq)`. Run as the
+/// migrations run, the first builds it on `(txid)` and the second drops it and builds it
+/// again: on a large table one more build, while writes wait on the upgrade's locks.
+fn snapshot_upgrade_sql(table: &OutboxTable) -> String {
+    let (snapshot, late_pass) = (snapshot_sql(table), late_pass_sql(table));
+    let index = crate::table::quote_ident(&format!("{}_txid", table.name()));
+    let first = format!("CREATE INDEX {index} ON {} (txid);", table.quoted());
+    let again = format!("DROP INDEX {};", in_schema_of(table, &index));
+    let without = |sql: &str, line: &str| {
+        sql.lines()
+            .filter(|l| l.trim() != line)
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    format!(
+        "{}\n{}",
+        without(&snapshot, &first),
+        without(&late_pass, &again)
+    )
+}
+
 /// The `CREATE OR REPLACE VIEW` of `table`'s audit view, as the latest migration makes it.
 pub(crate) fn audit_view_sql(table: &OutboxTable) -> String {
     let sql = late_pass_sql(table);
@@ -311,7 +333,7 @@ fn create_table_locked(conn: &mut PgConnection, table: &OutboxTable) -> diesel::
         let upgrade = match (has_txid, has_late_pass) {
             (true, true) => return Ok(()),
             (true, false) => late_pass_sql(table),
-            (false, _) => format!("{}\n{}", snapshot_sql(table), late_pass_sql(table)),
+            (false, _) => snapshot_upgrade_sql(table),
         };
         return conn.transaction(|conn| {
             diesel::connection::SimpleConnection::batch_execute(
@@ -346,6 +368,30 @@ mod tests {
                 LATE_PASS_SQL.trim_end()
             )
         );
+    }
+
+    #[test]
+    fn the_upgrade_to_snapshot_batches_builds_the_txid_index_once() {
+        for table in [OutboxTable::DEFAULT, "s.ev".parse().expect("valid")] {
+            let sql = snapshot_upgrade_sql(&table);
+            let name = table.name();
+            assert_eq!(
+                sql.matches(&format!("\"{name}_txid\" ON")).count(),
+                1,
+                "{sql}"
+            );
+            assert!(
+                sql.contains(&format!(
+                    "\"{name}_txid\" ON {} (txid, seq);",
+                    table.quoted()
+                )),
+                "{sql}"
+            );
+            assert!(!sql.contains("DROP INDEX"), "{sql}");
+            // the rest of both steps, as they are
+            let both = format!("{}\n{}", snapshot_sql(&table), late_pass_sql(&table));
+            assert_eq!(sql.lines().count(), both.lines().count() - 2, "{sql}");
+        }
     }
 
     #[test]
