@@ -433,18 +433,34 @@ async fn relays_of_a_table_read_its_backlog_once_between_them_and_each_reports_i
     })
     .await;
 
+    // rows parked-<from>..=parked-<to> put in doubt; each relay at `addrs` reports `total`
+    let in_doubt = |from: i64, to: i64| {
+        db.execute(
+            &format!(
+                "UPDATE outbox SET attempts = 1 WHERE aggregate_id IN \
+                 (SELECT 'parked-' || g FROM generate_series({from}, {to}) g)"
+            ),
+            "rows in doubt",
+        );
+    };
+    let report = |addrs: Vec<String>, total: f64| async move {
+        for addr in &addrs {
+            wait_metric(
+                addr,
+                "outbox_in_doubt_rows",
+                &[],
+                t,
+                "the rows in doubt",
+                |v| v == total,
+            )
+            .await;
+        }
+    };
+    let addrs = |relays: &[(Relay, String)]| relays.iter().map(|(_, a)| a.clone()).collect();
+
     // the figures reach every relay
-    db.execute(
-        "UPDATE outbox SET attempts = 1 WHERE aggregate_id IN \
-         (SELECT 'parked-' || g FROM generate_series(1, 100) g)",
-        "100 rows in doubt",
-    );
-    for (_, addr) in &relays {
-        wait_metric(addr, "outbox_in_doubt_rows", &[], t, "100 in doubt", |v| {
-            v == 100.0
-        })
-        .await;
-    }
+    in_doubt(1, 100);
+    report(addrs(&relays), 100.0).await;
     // the reader stops: another reads
     let flags = readers(&relays).await;
     let reader = flags
@@ -457,17 +473,8 @@ async fn relays_of_a_table_read_its_backlog_once_between_them_and_each_reports_i
         stopped.proc.wait_exit(t).is_some(),
         "the reader stops on SIGTERM"
     );
-    db.execute(
-        "UPDATE outbox SET attempts = 1 WHERE aggregate_id IN \
-         (SELECT 'parked-' || g FROM generate_series(101, 300) g)",
-        "300 rows in doubt",
-    );
-    for (_, addr) in &relays {
-        wait_metric(addr, "outbox_in_doubt_rows", &[], t, "300 in doubt", |v| {
-            v == 300.0
-        })
-        .await;
-    }
+    in_doubt(101, 300);
+    report(addrs(&relays), 300.0).await;
     wait_until(t, "another reader of the statistics", || async {
         readers(&relays).await.iter().flatten().sum::<f64>() == 1.0
     })
@@ -483,16 +490,9 @@ async fn relays_of_a_table_read_its_backlog_once_between_them_and_each_reports_i
     let (hung, _) = &relays[reader];
     let (_, other) = &relays[1 - reader];
     hung.proc.signal("STOP");
-    db.execute(
-        "UPDATE outbox SET attempts = 1 WHERE aggregate_id IN \
-         (SELECT 'parked-' || g FROM generate_series(301, 500) g)",
-        "500 rows in doubt",
-    );
+    in_doubt(301, 500);
     let silent = Instant::now();
-    wait_metric(other, "outbox_in_doubt_rows", &[], t, "500 in doubt", |v| {
-        v == 500.0
-    })
-    .await;
+    report(vec![other.clone()], 500.0).await;
     hung.proc.signal("CONT");
     println!(
         "with the reader stopped, the other relay read the figures itself after {:?}",

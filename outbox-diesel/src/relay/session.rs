@@ -82,7 +82,11 @@ pub async fn keep_alive(conn: &mut AsyncPgConnection) -> QueryResult<()> {
 /// `LISTEN` on `table`'s channel ([`OutboxTable::channel`]), for the recording side's
 /// `NOTIFY`.
 pub async fn listen(conn: &mut AsyncPgConnection, table: &OutboxTable) -> QueryResult<()> {
-    let channel = table.channel();
+    listen_on(conn, &table.channel()).await
+}
+
+/// `LISTEN` on `channel`, quoted as an identifier.
+pub(crate) async fn listen_on(conn: &mut AsyncPgConnection, channel: &str) -> QueryResult<()> {
     conn.batch_execute(&format!("LISTEN \"{}\"", channel.replace('"', "\"\"")))
         .await
 }

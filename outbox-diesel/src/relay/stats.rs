@@ -50,9 +50,7 @@ pub async fn statistics_channel(
 
 /// `LISTEN` on `channel` (a [`statistics_channel`]), for the figures another relay sends.
 pub async fn listen_statistics(conn: &mut AsyncPgConnection, channel: &str) -> QueryResult<()> {
-    use diesel_async::SimpleAsyncConnection;
-    conn.batch_execute(&format!("LISTEN \"{}\"", channel.replace('"', "\"\"")))
-        .await
+    super::session::listen_on(conn, channel).await
 }
 
 /// Sends `payloads` on `channel` with `NOTIFY`, in order, in one transaction: a listener
