@@ -1358,11 +1358,61 @@ fn removed_by_filter(plan: &str, index: &str) -> Option<u64> {
     Some(removed)
 }
 
+// 42. Walked by the partition index, each partition a relay read had a fixed share of the batch
+// (the row limit over the partitions read): with the traffic on one of them, batches were a
+// fraction of `--batch-size` (a relay reading 4 partitions got 125 rows a batch of 500 from
+// its one busy partition). The partitions' rows now come merged in `seq` order up to the row
+// limit and the byte budget, whichever partition they are in.
+#[tokio::test]
+async fn a_busy_partition_read_by_the_partition_index_fills_the_batch() {
+    use outbox_diesel::relay::{Cursor, Partitioning, Source, fetch_batches_in};
+    let db = TestDb::new();
+    let table = outbox_diesel::OutboxTable::DEFAULT;
+    // every row in partition 1 of 4: one aggregate
+    let busy = db.scalar(
+        "SELECT min(i) FROM generate_series(0, 999) AS i \
+         WHERE ('x' || substr(md5('k-' || i), 1, 7))::bit(28)::integer % 4 = 1",
+    );
+    diesel::sql_query(format!(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), 'order', 'k-{busy}', 'order.placed', jsonb_build_object('n', i) \
+         FROM generate_series(1, 300) AS i"
+    ))
+    .execute(&mut db.conn())
+    .expect("insert");
+    assert!(outbox_diesel::create_partition_index(&mut db.conn(), &table, 4).expect("index"));
+    let mut conn = db.relay_session().await;
+    let indexed = Partitioning::new(4).indexed(true);
+    let all = seqs_where(&db, "true");
+    for owned in [vec![1, 3], vec![0, 1, 2]] {
+        let mut cursors: Vec<(u32, Cursor)> = owned.iter().map(|p| (*p, Cursor::start())).collect();
+        let mut got = Vec::new();
+        for batch in 0..3 {
+            let batches =
+                fetch_batches_in(&mut conn, &table, indexed, &cursors, &[], 100, i64::MAX)
+                    .await
+                    .expect("fetch");
+            let rows: Vec<i64> = batches
+                .iter()
+                .flat_map(|(_, b)| seqs_of(b, Source::Next))
+                .collect();
+            assert_eq!(
+                rows,
+                all[batch * 100..(batch + 1) * 100].to_vec(),
+                "partitions {owned:?}, batch {batch}: a whole batch of the busy partition"
+            );
+            got.extend(rows);
+            cursors = batches.into_iter().map(|(p, b)| (p, b.next)).collect();
+        }
+        assert_eq!(got, all, "partitions {owned:?}: each row once, in order");
+    }
+}
+
 // 37. A relay that owns some of the partitions walked every partition's rows by `seq` and
 // passed over the others' (each a heap fetch: two relays read every row twice). With the
 // partition index of its count, it reads each partition it owns by that index from its own
-// cursor: the rows of its partitions only, each once, in `seq` order per partition, each
-// partition within its share of the row limit and the byte budget, late rows as before.
+// cursor: the rows of its partitions only, each once, merged in `seq` order within the row
+// limit and the byte budget, late rows as before.
 #[tokio::test]
 async fn partitions_owned_are_read_by_the_partition_index_each_from_its_own_cursor() {
     use outbox_diesel::relay::{
@@ -1371,7 +1421,9 @@ async fn partitions_owned_are_read_by_the_partition_index_each_from_its_own_curs
     };
     let db = TestDb::new();
     let table = outbox_diesel::OutboxTable::DEFAULT;
-    insert_rows_over(&db, 400, 40);
+    // a new table (no statistics) of 1,000 rows: where the `ready` index is one page (up to
+    // about 400 rows), the planner may walk it and filter, at the cost of reading that page
+    insert_rows_over(&db, 1_000, 40);
     let mut conn = db.relay_session().await;
     assert!(
         !has_partition_index(&mut conn, &table, 4)
@@ -1420,31 +1472,38 @@ async fn partitions_owned_are_read_by_the_partition_index_each_from_its_own_curs
         "{walked}"
     );
 
-    // 8 rows a batch: 4 for each partition, each cursor at its own last row; to the end,
-    // every row of the two partitions once, in `seq` order per partition
+    // 8 rows a batch: the first 8 of the two partitions by `seq`, each cursor at the 8th; to
+    // the end, every row of the two partitions once, in `seq` order
     let mut cursors = some.to_vec();
     let mut got: HashMap<u32, Vec<i64>> = HashMap::new();
+    let ours = seqs_where(&db, "aggregate_hash % 4 IN (1, 3)");
     let mut first = true;
     loop {
         let batches = fetch_batches_in(&mut conn, &table, indexed, &cursors, &[], 8, i64::MAX)
             .await
             .expect("fetch");
         let read: usize = batches.iter().map(|(_, b)| b.rows.len()).sum();
-        for (p, b) in &batches {
-            let rows = seqs_of(b, Source::Next);
-            assert!(
-                rows.len() <= 4,
-                "partition {p}: {} rows of a share of 4",
-                rows.len()
+        assert!(read <= 8, "{read} rows in a batch of 8");
+        if first {
+            let mut rows: Vec<i64> = batches
+                .iter()
+                .flat_map(|(_, b)| seqs_of(b, Source::Next))
+                .collect();
+            rows.sort_unstable();
+            assert_eq!(
+                rows,
+                ours[..8].to_vec(),
+                "the first 8 of the two partitions"
             );
-            if first {
-                assert_eq!(rows, mine(*p)[..4].to_vec(), "partition {p}'s first 4");
+            for (p, b) in &batches {
                 assert_eq!(
-                    b.next.upto_seq, rows[3],
-                    "partition {p}'s cursor at its 4th"
+                    b.next.upto_seq, ours[7],
+                    "partition {p}'s cursor at the 8th"
                 );
             }
-            got.entry(*p).or_default().extend(rows);
+        }
+        for (p, b) in &batches {
+            got.entry(*p).or_default().extend(seqs_of(b, Source::Next));
         }
         first = false;
         cursors = batches.into_iter().map(|(p, b)| (p, b.next)).collect();
@@ -1460,8 +1519,9 @@ async fn partitions_owned_are_read_by_the_partition_index_each_from_its_own_curs
         );
     }
 
-    // a partition read to its end moves as far as the other went: 10 rows in partition 1,
-    // one in partition 3
+    // 10 rows in partition 1, then one in partition 3: a batch of 8 takes partition 1's first
+    // 8 and moves both cursors to the 8th; a byte budget of one byte the next row alone; the
+    // next batch the rest of both
     let of = |p: i64| {
         db.scalar(&format!(
             "SELECT min(i) FROM generate_series(0, 999) AS i \
@@ -1480,44 +1540,28 @@ async fn partitions_owned_are_read_by_the_partition_index_each_from_its_own_curs
         ),
     )
     .expect("insert");
+    let new1 = seqs_where(&db, &format!("aggregate_id = 'k-{a1}'"));
+    let new3 = seqs_where(&db, &format!("aggregate_id = 'k-{a3}'"));
     let batches = fetch_batches_in(&mut conn, &table, indexed, &cursors, &[], 8, i64::MAX)
         .await
         .expect("fetch");
     let (b1, b3) = (&batches[0].1, &batches[1].1);
-    assert_eq!(seqs_of(b1, Source::Next).len(), 4);
-    assert_eq!(seqs_of(b3, Source::Next).len(), 1);
-    let highest = seqs_of(b1, Source::Next)
-        .into_iter()
-        .chain(seqs_of(b3, Source::Next))
-        .max();
-    assert_eq!(
-        Some(b1.next.upto_seq),
-        seqs_of(b1, Source::Next).last().copied()
-    );
-    assert_eq!(
-        Some(b3.next.upto_seq),
-        highest,
-        "read to its end: as far as any went"
-    );
+    assert_eq!(seqs_of(b1, Source::Next), new1[..8].to_vec());
+    assert_eq!(seqs_of(b3, Source::Next), Vec::<i64>::new());
+    assert_eq!((b1.next.upto_seq, b3.next.upto_seq), (new1[7], new1[7]));
     cursors = batches.into_iter().map(|(p, b)| (p, b.next)).collect();
-
-    // the byte budget's share: one byte, each partition's first row
     let batches = fetch_batches_in(&mut conn, &table, indexed, &cursors, &[], 1_000, 1)
         .await
         .expect("fetch");
-    assert_eq!(seqs_of(&batches[0].1, Source::Next).len(), 1);
+    assert_eq!(seqs_of(&batches[0].1, Source::Next), vec![new1[8]]);
     assert_eq!(seqs_of(&batches[1].1, Source::Next), Vec::<i64>::new());
     cursors = batches.into_iter().map(|(p, b)| (p, b.next)).collect();
-    loop {
-        let batches = fetch_batches_in(&mut conn, &table, indexed, &cursors, &[], 1_000, i64::MAX)
-            .await
-            .expect("fetch");
-        let read: usize = batches.iter().map(|(_, b)| b.rows.len()).sum();
-        cursors = batches.into_iter().map(|(p, b)| (p, b.next)).collect();
-        if read == 0 {
-            break;
-        }
-    }
+    let batches = fetch_batches_in(&mut conn, &table, indexed, &cursors, &[], 1_000, i64::MAX)
+        .await
+        .expect("fetch");
+    assert_eq!(seqs_of(&batches[0].1, Source::Next), vec![new1[9]]);
+    assert_eq!(seqs_of(&batches[1].1, Source::Next), new3);
+    cursors = batches.into_iter().map(|(p, b)| (p, b.next)).collect();
 
     // a transaction held open across a batch: its rows come late, to their own partition,
     // once, and those of partitions 0 and 2 not at all
@@ -1527,6 +1571,7 @@ async fn partitions_owned_are_read_by_the_partition_index_each_from_its_own_curs
          SELECT gen_random_uuid(), 'order', 'h-' || i, 'order.placed', '{}' \
          FROM generate_series(1, 40) AS i",
     );
+    let held_end = db.scalar("SELECT max(seq) FROM outbox") + 40;
     insert_rows_over(&db, 40, 40);
     let batches = fetch_batches_in(&mut conn, &table, indexed, &cursors, &[], 1_000, i64::MAX)
         .await
@@ -1536,7 +1581,9 @@ async fn partitions_owned_are_read_by_the_partition_index_each_from_its_own_curs
             seqs_of(b, Source::Next),
             seqs_where(
                 &db,
-                &format!("aggregate_hash % 4 = {p} AND aggregate_id LIKE 'o-%' AND seq > 440")
+                &format!(
+                    "aggregate_hash % 4 = {p} AND aggregate_id LIKE 'o-%' AND seq > {held_end}"
+                )
             ),
             "partition {p}: the rows committed after the held ones"
         );

@@ -183,6 +183,8 @@ struct Run {
     cleanup: bool,
     /// with the partition index of `partitions` (`outbox-relay index`)
     indexed: bool,
+    /// nine events in ten on one aggregate (one busy partition), the tenth spread over 1,000
+    skewed: bool,
 }
 
 struct Bench {
@@ -315,9 +317,31 @@ impl Bench {
         self.fill_rows(n, 200_000, published)
     }
 
+    /// [`Bench::fill`] with nine rows in ten on one aggregate (`order-busy`), the tenth spread
+    /// over 1,000 as `fill` spreads them: the traffic of one busy partition among quiet ones.
+    fn fill_skewed(&self, n: usize) -> Result<()> {
+        self.fill_aggregates(
+            n,
+            200_000,
+            false,
+            "CASE WHEN i % 10 = 0 THEN 'order-' || (i % 1000) ELSE 'order-busy' END",
+        )
+    }
+
     /// Fills the outbox with `n` rows in transactions of `per_tx` rows each: as a service's
     /// commits would for log tailing, which reads a transaction whole.
     fn fill_rows(&self, n: usize, per_tx: usize, published: bool) -> Result<()> {
+        self.fill_aggregates(n, per_tx, published, "'order-' || (i % 1000)")
+    }
+
+    /// [`Bench::fill_rows`] with the aggregate id of row `i` given as SQL.
+    fn fill_aggregates(
+        &self,
+        n: usize,
+        per_tx: usize,
+        published: bool,
+        aggregate: &str,
+    ) -> Result<()> {
         use diesel::RunQueryDsl;
         let mut conn = PgConnection::establish(&self.db_url)?;
         // the fill is not measured: no WAL flush per transaction
@@ -327,8 +351,8 @@ impl Bench {
             let m = per_tx.min(n - done);
             diesel::sql_query(format!(
                 "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, published_at) \
-                 SELECT gen_random_uuid(), 'order', 'order-' || (i % 1000), 'order.placed', \
-                 jsonb_build_object('order_id', 'order-' || (i % 1000), 'customer', 'customer-' || i, 'note', repeat('x', 230)), \
+                 SELECT gen_random_uuid(), 'order', {aggregate}, 'order.placed', \
+                 jsonb_build_object('order_id', {aggregate}, 'customer', 'customer-' || i, 'note', repeat('x', 230)), \
                  {} FROM generate_series({}, {}) i",
                 if published { "now() - interval '1 hour'" } else { "NULL" },
                 done,

@@ -31,6 +31,7 @@ impl Bench {
             ring: None,
             cleanup: false,
             indexed: false,
+            skewed: false,
         };
         let runs = [
             run(
@@ -142,6 +143,29 @@ impl Bench {
                 indexed: true,
                 ..run(
                     "ordered, 8 partitions, 4 relays, partition index",
+                    ModeKind::Ordered,
+                    8,
+                    1,
+                    4,
+                    false,
+                )
+            },
+            Run {
+                skewed: true,
+                ..run(
+                    "ordered, 8 partitions, 4 relays, one busy aggregate (9 events in 10)",
+                    ModeKind::Ordered,
+                    8,
+                    1,
+                    4,
+                    false,
+                )
+            },
+            Run {
+                indexed: true,
+                skewed: true,
+                ..run(
+                    "ordered, 8 partitions, 4 relays, partition index, one busy aggregate (9 events in 10)",
                     ModeKind::Ordered,
                     8,
                     1,
@@ -378,6 +402,8 @@ impl Bench {
             // the slot sees only what commits after its creation: make it before the backlog
             self.create_slot(&slot)?;
             self.fill_rows(n, 100, false)?;
+        } else if run.skewed {
+            self.fill_skewed(n)?;
         } else {
             self.fill(n, false)?;
         }

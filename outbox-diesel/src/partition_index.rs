@@ -6,9 +6,11 @@
 //! too and passes over the other relays' rows, each one a heap fetch: with two relays every
 //! row is read twice, with four four times. The partition index, `<name>_ready_p<N>` on
 //! `(aggregate_hash % N, seq)` over the same rows, gives each partition's rows in `seq` order:
-//! a relay reads each partition it owns from its own cursor, and no row of another's. It
-//! serves one partition count; the relays use it when its count is theirs (`outbox-relay run`
-//! checks at start and whenever it balances its partitions), and walk `ready` otherwise.
+//! a relay reads each partition it owns from its own cursor, their rows merged in `seq` order
+//! (a busy partition among quiet ones fills the batch), and no row of another's. It serves one
+//! partition count; the relays use it when its count is theirs (`outbox-relay run` checks at
+//! start and whenever it balances its partitions) and they own at most 64 partitions, and walk
+//! `ready` otherwise.
 //!
 //! [`create_partition_index`] makes it (`outbox-relay index --partitions N`). Each index costs
 //! every insert an index entry: make it for the partition count the relays run with, when

@@ -53,9 +53,7 @@ struct Fetched {
     #[diesel(sql_type = Integer)]
     behind: i32,
     /// A late row: how many late rows its partition has (the statement returns those within
-    /// the batch's limits). A next row walked by the partition index: how many rows its
-    /// partition's walk read (within its share of the limit), to tell a walk cut by its share
-    /// from one that read its partition to the end.
+    /// the batch's limits); 0 for the others.
     #[diesel(sql_type = BigInt)]
     late_total: i64,
     #[diesel(sql_type = Text)]
@@ -175,11 +173,10 @@ pub async fn fetch_batches(
 }
 
 /// [`fetch_batches`] for partitions cut as `partitioning` says. With the partition index, a
-/// relay that reads some of the partitions (or reads them at different cursors) reads each
-/// one by that index from its own cursor, each with its share of `limit` and `max_bytes`
-/// (the first row of each always), and no row of the partitions it does not read; a
-/// partition read to its end moves its cursor as far as any partition's rows went, one cut by
-/// its share only to its last row read.
+/// relay that reads some of the partitions (at most 64; more are read as without it), or reads
+/// them at different cursors, reads each one by that index from its own cursor, their rows
+/// merged in `seq` order within `limit` and `max_bytes` as one walk's would be, and no row of
+/// the partitions it does not read: a busy partition among quiet ones fills the batch.
 #[tracing::instrument(name = "outbox.claim", level = "debug", skip_all, fields(outbox.table = %table, outbox.partitions = cursors.len()))]
 pub async fn fetch_batches_in(
     conn: &mut AsyncPgConnection,
@@ -209,24 +206,6 @@ pub async fn fetch_batches_in(
         .filter(|f| f.part == 0)
         .map(|f| f.event.seq())
         .max();
-    // walked by the partition index, a partition cut by its share (it read as many rows as
-    // its share, or returned fewer than it read) went as far as its last row returned; the
-    // others were read to their end, as far as any went
-    let mut cut: std::collections::HashMap<i32, i64> = Default::default();
-    if binds.by_partition() {
-        let (share, _) = binds.shares(limit, max_bytes);
-        let mut walks: std::collections::HashMap<i32, (i64, i64, i64)> = Default::default();
-        for f in fetched.iter().filter(|f| f.part == 0) {
-            let e = walks.entry(f.p).or_insert((0, i64::MIN, f.late_total));
-            e.0 += 1;
-            e.1 = e.1.max(f.event.seq());
-        }
-        for (p, (returned, highest, read)) in walks {
-            if read >= share || returned < read {
-                cut.insert(p, highest);
-            }
-        }
-    }
     // per partition: the late rows returned, their highest `seq`, and how many there are
     let mut late: std::collections::HashMap<i32, (i64, i64, i64)> = Default::default();
     for f in fetched.iter().filter(|f| f.part == 1) {
@@ -256,8 +235,7 @@ pub async fn fetch_batches_in(
             // the pass has read every late row its snapshot sees
             (Some(pass), _) => Cursor::at(c.upto_seq, pass.snap.clone()),
             (None, Some(snap)) => {
-                let end = cut.get(&(*p as i32)).copied().or(walked);
-                Cursor::at(end.unwrap_or(c.upto_seq).max(c.upto_seq), snap.clone())
+                Cursor::at(walked.unwrap_or(c.upto_seq).max(c.upto_seq), snap.clone())
             }
             (None, None) => c.clone(),
         };

@@ -68,10 +68,6 @@ pub(super) struct BatchStatement<'a> {
     walked: &'a [i32],
     /// Per partition walked, the `seq` its rows come after ([`Walk::ByPartition`]).
     walked_after: &'a [i64],
-    /// Per partition walked, its share of the row limit and of the byte budget
-    /// ([`Walk::ByPartition`]).
-    share_limit: i64,
-    share_bytes: i64,
 }
 
 /// What [`batch_sql`] binds for `cursors` of partitions of `count`, and the shape of its walk.
@@ -103,8 +99,13 @@ impl<'c> Binds<'c> {
             .collect();
         let some = cursors.len() < count as usize;
         let differ = walking.windows(2).any(|w| w[0].1 != w[1].1);
-        let shape = if indexed && count > 1 && !walking.is_empty() && (some || differ) {
-            Walk::ByPartition
+        let shape = if indexed
+            && count > 1
+            && !walking.is_empty()
+            && walking.len() <= MERGED_MAX
+            && (some || differ)
+        {
+            Walk::ByPartition(walking.len().next_power_of_two())
         } else if differ {
             Walk::EachAfterItsCursor
         } else if some || walking.len() < cursors.len() {
@@ -147,7 +148,6 @@ impl<'c> Binds<'c> {
         limit: i64,
         max_bytes: i64,
     ) -> BatchStatement<'a> {
-        let (share_limit, share_bytes) = self.shares(limit, max_bytes);
         BatchStatement {
             sql: format!("{prefix}{}", batch_sql(table, count, self.some, self.shape)),
             indexes: &self.indexes,
@@ -162,22 +162,7 @@ impl<'c> Binds<'c> {
             walk: &self.walk,
             walked: &self.walked,
             walked_after: &self.walked_after,
-            share_limit,
-            share_bytes,
         }
-    }
-
-    /// Whether each partition is walked by the partition index, from its own cursor.
-    pub(super) fn by_partition(&self) -> bool {
-        self.shape == Walk::ByPartition
-    }
-
-    /// Each walked partition's share of the row limit and of the byte budget, walked by the
-    /// partition index: the batch as a whole stays within both (but for each partition's first
-    /// row, which always comes).
-    pub(super) fn shares(&self, limit: i64, max_bytes: i64) -> (i64, i64) {
-        let k = (self.walked.len() as i64).max(1);
-        (((limit + k - 1) / k).max(1), (max_bytes / k).max(1))
     }
 }
 
@@ -213,8 +198,6 @@ impl QueryFragment<Pg> for BatchStatement<'_> {
                 10 => out.push_bind_param::<Array<BigInt>, _>(self.walk)?,
                 11 => out.push_bind_param::<Array<Integer>, _>(self.walked)?,
                 12 => out.push_bind_param::<Array<BigInt>, _>(self.walked_after)?,
-                13 => out.push_bind_param::<BigInt, _>(&self.share_limit)?,
-                14 => out.push_bind_param::<BigInt, _>(&self.share_bytes)?,
                 // a `$` of a quoted name: text
                 _ => {
                     out.push_sql("$");
@@ -239,10 +222,17 @@ enum Walk {
     /// Each partition's after its own cursor (`$10`): cursors differ after a take-over.
     EachAfterItsCursor,
     /// Each partition walked (`$11`) by the partition index after its own cursor (`$12`),
-    /// with its share of the limits (`$13`, `$14`): a relay that owns some partitions reads
-    /// none of the others' rows.
-    ByPartition,
+    /// their rows merged in `seq` order: a relay that owns some partitions reads none of the
+    /// others' rows. The statement has this many walks (the partitions walked, rounded up to a
+    /// power of two so that a session prepares few statements; a walk past the end of `$11`
+    /// reads nothing).
+    ByPartition(usize),
 }
+
+/// The most partitions a statement walks by the partition index: each is a walk of its own in
+/// the statement's text, which PostgreSQL plans once per session (64: 6 ms and 2.6 MB of cached
+/// plan; 1,024 took 450 ms and 43 MB). A relay that reads more partitions walks `ready`.
+pub(super) const MERGED_MAX: usize = 64;
 
 /// The statement of [`fetch_batches`](crate::relay::fetch_batches) for partitions of `count` of `table`, `some` when the
 /// relay reads only some of them, the walk's `shape`; its binds: the partitions, their cursors'
@@ -264,10 +254,12 @@ enum Walk {
 /// first batch, instead of a batch's worth of rows the others had read before at a time.
 /// While the cursors agree (the steady state) the walk tests the partition alone, which costs
 /// PostgreSQL less per event (BENCHMARKS.md, section 12). With the partition index of `count`
-/// (`indexed`), a relay that reads some of the partitions, or reads them at different cursors,
-/// walks each one by that index from its own cursor, with its share of the row limit and of
-/// the byte budget ([`Walk::ByPartition`]): it reads no row of a partition it does not read,
-/// where the walk by `seq` fetches each one to test its partition (BENCHMARKS.md, section 20).
+/// (`indexed`), a relay that reads some of the partitions (at most [`MERGED_MAX`]), or reads
+/// them at different cursors, walks each one by that index from its own cursor and takes
+/// their rows merged in `seq` order ([`Walk::ByPartition`]), a `Merge Append` that stops at
+/// the row limit: it reads no row of a partition it does not read, where the walk by `seq`
+/// fetches each one to test its partition (BENCHMARKS.md, section 20), and a busy partition
+/// fills the batch whichever partitions are quiet.
 ///
 /// A row is late for its partition when that cursor's snapshot had its transaction in
 /// progress (`xip`, below `xmax`) or not begun (at or above `xmax`): two disjoint parts.
@@ -324,7 +316,7 @@ fn batch_sql(table: &OutboxTable, count: u32, some: bool, shape: Walk) -> String
         Walk::All => String::new(),
         Walk::Some => format!(" AND {p} = ANY((SELECT $11::int4[])::int4[])"),
         Walk::EachAfterItsCursor => format!(" AND o.seq > ((SELECT $10::int8[]))[{p} + 1]"),
-        Walk::ByPartition => String::new(),
+        Walk::ByPartition(_) => String::new(),
     };
     let behind = behind_sql(table);
     let in_pass = "(c.after IS NULL OR o.seq > c.after) \
@@ -362,35 +354,43 @@ fn batch_sql(table: &OutboxTable, count: u32, some: bool, shape: Walk) -> String
         (String::new(), String::new(), ended.to_owned())
     };
     // the next rows: one walk by `seq` through the partitions read, or (by the partition
-    // index) each partition's own, each returning how many rows it read (so that the caller
-    // knows which partitions it read to the end). A partition's rows are written as a range
-    // of the partition index, `(partition, seq)` after `(p, its cursor)` and the partition at
-    // most `p`, in that index's order: a row comparison no other index serves, and an order
-    // the `ready` index gives only with a sort. Written `partition = p AND seq > cursor`,
-    // the planner walked `ready` for each partition and passed over the others' rows where
-    // the statistics did not yet show how the partitions' rows spread (a new table)
-    let next = if shape == Walk::ByPartition {
-        format!(
-            "(SELECT {COLUMNS}, 0 AS part, o.p, o.n AS late_total FROM (SELECT {COLUMNS}, o.p, \
-             count(*) OVER (PARTITION BY o.p) AS n, COALESCE(sum(octet_length(o.payload)) \
-             OVER (PARTITION BY o.p ORDER BY o.seq \
-             ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before \
-             FROM unnest((SELECT $11::int4[]), (SELECT $12::int8[])) AS w(p, after) \
-             CROSS JOIN LATERAL (SELECT {READ}, w.p AS p FROM {t} o \
-             WHERE ({p}, o.seq) > (w.p, w.after) AND {p} <= w.p \
-             AND o.published_at IS NULL AND o.parked_at IS NULL \
-             ORDER BY {p}, o.seq LIMIT (SELECT $13::int8)) o) o WHERE o.before < (SELECT $14::int8))"
-        )
-    } else {
-        format!(
-            "(SELECT {COLUMNS}, 0 AS part, o.p, 0::int8 AS late_total FROM (SELECT {COLUMNS}, o.p, \
-             COALESCE(sum(octet_length(o.payload)) \
-             OVER (ORDER BY o.seq ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before \
-             FROM (SELECT {READ}, {p} AS p FROM {t} o WHERE o.published_at IS NULL \
+    // index) each partition's own, merged by `seq`. A partition's rows are written as its
+    // equality with `p` (so that PostgreSQL knows each walk comes in `seq` order and merges
+    // them, reading no more than the limit) and a range of the partition index, `(partition,
+    // seq)` after `(p, its cursor)`: a row comparison no other index serves. Written
+    // `partition = p AND seq > cursor` alone, the planner walked `ready` for each partition and
+    // passed over the others' rows where the statistics did not yet show how the partitions'
+    // rows spread (a new table)
+    let from = match shape {
+        Walk::ByPartition(walks) => {
+            (1..=walks)
+                .map(|i| {
+                    let (wp, wafter) = (
+                        format!("((SELECT $11::int4[]))[{i}]"),
+                        format!("((SELECT $12::int8[]))[{i}]"),
+                    );
+                    format!(
+                        "(SELECT {READ}, {p} AS p FROM {t} o WHERE {p} = {wp} \
+                     AND ({p}, o.seq) > ({wp}, {wafter}) \
+                     AND o.published_at IS NULL AND o.parked_at IS NULL ORDER BY o.seq)"
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join(" UNION ALL ")
+                + &format!(" ORDER BY seq LIMIT {limit}")
+        }
+        _ => format!(
+            "SELECT {READ}, {p} AS p FROM {t} o WHERE o.published_at IS NULL \
              AND o.parked_at IS NULL AND o.seq > (SELECT $7::int8){walked} \
-             ORDER BY o.seq LIMIT {limit}) o) o WHERE o.before < $5)"
-        )
+             ORDER BY o.seq LIMIT {limit}"
+        ),
     };
+    let next = format!(
+        "(SELECT {COLUMNS}, 0 AS part, o.p, 0::int8 AS late_total FROM (SELECT {COLUMNS}, o.p, \
+         COALESCE(sum(octet_length(o.payload)) \
+         OVER (ORDER BY o.seq ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before \
+         FROM ({from}) o) o WHERE o.before < $5)"
+    );
     format!(
         "WITH cur AS MATERIALIZED (SELECT pg_current_snapshot() AS s), \
          c AS MATERIALIZED (SELECT c.p, c.upto, c.snap::pg_snapshot AS snap, c.after, \
@@ -423,4 +423,40 @@ fn batch_sql(table: &OutboxTable, count: u32, some: bool, shape: Walk) -> String
          (SELECT {READ}, 2, {p}, 0::int8 FROM {t} o WHERE o.parked_at = 'infinity' \
          AND o.published_at IS NULL{owned} AND o.seq <> ALL($6) ORDER BY o.seq LIMIT {limit})) o"
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cursors(partitions: impl IntoIterator<Item = u32>) -> Vec<(u32, Cursor)> {
+        partitions
+            .into_iter()
+            .map(|p| (p, Cursor::start()))
+            .collect()
+    }
+
+    #[test]
+    fn partitions_read_by_the_partition_index_are_merged_in_walks_of_a_power_of_two() {
+        let some = cursors([1, 3, 5]);
+        assert_eq!(Binds::of(8, &some, true).shape, Walk::ByPartition(4));
+        assert_eq!(Binds::of(8, &some, false).shape, Walk::Some);
+        let sql = batch_sql(&OutboxTable::DEFAULT, 8, true, Walk::ByPartition(4));
+        assert_eq!(sql.matches("((SELECT $12::int8[]))[").count(), 4, "{sql}");
+        assert!(sql.contains("((SELECT $11::int4[]))[4]"), "{sql}");
+        assert!(!sql.contains("((SELECT $11::int4[]))[5]"), "{sql}");
+        // a relay reading every partition at one cursor walks `ready` once
+        assert_eq!(Binds::of(8, &cursors(0..8), true).shape, Walk::All);
+    }
+
+    #[test]
+    fn more_partitions_than_a_statement_merges_walk_the_ready_index() {
+        let most = cursors(0..MERGED_MAX as u32);
+        assert_eq!(
+            Binds::of(1024, &most, true).shape,
+            Walk::ByPartition(MERGED_MAX)
+        );
+        let more = cursors(0..MERGED_MAX as u32 + 1);
+        assert_eq!(Binds::of(1024, &more, true).shape, Walk::Some);
+    }
 }
