@@ -457,10 +457,33 @@ async fn relays_of_a_table_read_its_backlog_once_between_them_and_each_reports_i
         }
     };
     let addrs = |relays: &[(Relay, String)]| relays.iter().map(|(_, a)| a.clone()).collect();
+    let unix_now = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_secs_f64()
+    };
+    // when the figures a relay reports were read: after `since` (Unix seconds)
+    let read_after = |addr: String, since: f64| async move {
+        let at = sample(
+            &scrape(&addr).await,
+            "outbox_statistics_read_timestamp_seconds",
+            &[],
+        )
+        .expect("the reading's time");
+        assert!(
+            at >= since - 0.01 && at <= unix_now(),
+            "{addr}: figures read at {at}, before {since} or in the future"
+        );
+    };
 
-    // the figures reach every relay
+    // the figures reach every relay, with when they were read
+    let changed = unix_now();
     in_doubt(1, 100);
     report(addrs(&relays), 100.0).await;
+    for addr in addrs(&relays) {
+        read_after(addr, changed).await;
+    }
     // the reader stops: another reads
     let flags = readers(&relays).await;
     let reader = flags
@@ -493,6 +516,7 @@ async fn relays_of_a_table_read_its_backlog_once_between_them_and_each_reports_i
     in_doubt(301, 500);
     let silent = Instant::now();
     report(vec![other.clone()], 500.0).await;
+    read_after(other.clone(), unix_now() - silent.elapsed().as_secs_f64()).await;
     hung.proc.signal("CONT");
     println!(
         "with the reader stopped, the other relay read the figures itself after {:?}",

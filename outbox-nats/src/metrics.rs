@@ -54,6 +54,11 @@ pub const CLEANUP_DURATION: &str = "outbox_cleanup_duration_seconds";
 /// Gauge: 1 while this relay reads the table's backlog figures for every relay of the table
 /// (the others set their backlog gauges from what it sends).
 pub const STATISTICS_READER: &str = "outbox_statistics_reader";
+/// Gauge: when the backlog figures this relay reports were read (Unix time, seconds), by it or
+/// by the relay that reads them for the table: `time() - outbox_statistics_read_timestamp_seconds`
+/// is their age, which grows while no reading comes (a reading spaced after a slow one, a
+/// statistics session that cannot reach the database).
+pub const STATISTICS_READ_AT: &str = "outbox_statistics_read_timestamp_seconds";
 /// Gauge: 1 while the NATS connection is up.
 pub const NATS_CONNECTED: &str = "outbox_nats_connected";
 /// Gauge: 1 while the relay is ready (what `/readyz` answers).
@@ -158,6 +163,11 @@ pub fn describe() {
     describe_gauge!(
         STATISTICS_READER,
         "1 while this relay reads the backlog figures for every relay of the table"
+    );
+    describe_gauge!(
+        STATISTICS_READ_AT,
+        Unit::Seconds,
+        "When the backlog figures this relay reports were read (Unix time)"
     );
     describe_counter!(
         CAPTURED_DELETED,

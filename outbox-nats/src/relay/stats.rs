@@ -20,7 +20,7 @@
 
 use std::borrow::Cow;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use diesel_async::AsyncPgConnection;
 use futures_util::StreamExt;
@@ -62,12 +62,17 @@ struct Shared<'a> {
     /// Milliseconds until the reader's next reading (see [`spacing`]).
     #[serde(default)]
     next_ms: u64,
+    /// When the reading began (Unix time, milliseconds; 0 from a relay that did not say).
+    #[serde(default)]
+    read_at_ms: u64,
 }
 
 /// A reading of the backlog: the table's, and its partitions' when it is partitioned.
 struct Figures {
     total: Backlog,
     parts: Option<Vec<PartitionBacklog>>,
+    /// When the reading began.
+    read_at: SystemTime,
 }
 
 /// What a relay heard from the reader.
@@ -115,9 +120,15 @@ impl Heard {
         if self.other_count || (partitions > 1 && parts.len() != partitions as usize) {
             return None;
         }
+        // a reading of a relay that does not say when it read: as heard
+        let read_at = match shared.read_at_ms {
+            0 => SystemTime::now(),
+            ms => SystemTime::UNIX_EPOCH + Duration::from_millis(ms),
+        };
         Some(Figures {
             total: shared.total.into_owned(),
             parts: (partitions > 1).then_some(parts),
+            read_at,
         })
     }
 
@@ -298,15 +309,21 @@ async fn read(
     cfg: &RelayConfig,
     partitions: u32,
 ) -> diesel::QueryResult<Figures> {
+    let read_at = SystemTime::now();
     if partitions > 1 {
         let (total, parts) = db::backlogs(conn, &cfg.table, partitions).await?;
         Ok(Figures {
             total,
             parts: Some(parts),
+            read_at,
         })
     } else {
         let total = db::backlog(conn, &cfg.table).await?;
-        Ok(Figures { total, parts: None })
+        Ok(Figures {
+            total,
+            parts: None,
+            read_at,
+        })
     }
 }
 
@@ -337,6 +354,10 @@ async fn share(
                 total: Cow::Borrowed(&f.total),
                 parts: Cow::Borrowed(parts),
                 next_ms: next.as_millis() as u64,
+                read_at_ms: f
+                    .read_at
+                    .duration_since(SystemTime::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis() as u64),
             })
         })
         .collect::<Result<Vec<_>, _>>()
@@ -361,6 +382,7 @@ fn apply(cfg: &RelayConfig, health: &Health, duplicate_window: Duration, f: &Fig
     metrics::gauge!(m::OLDEST_IN_DOUBT_AGE).set(b.oldest_in_doubt_age_seconds);
     let stalled = b.oldest_age_seconds > cfg.stall_after.as_secs_f64();
     metrics::gauge!(m::STALLED).set(if stalled { 1.0 } else { 0.0 });
+    metrics::gauge!(m::STATISTICS_READ_AT).set(unix_seconds(f.read_at));
     if stalled && health.owned_partitions() > 0 {
         warn!(
             oldest_age_seconds = b.oldest_age_seconds,
@@ -382,6 +404,12 @@ fn apply(cfg: &RelayConfig, health: &Health, duplicate_window: Duration, f: &Fig
             "unpublished or in-doubt rows are older than the stream's duplicate window: JetStream would not drop a re-publish of them, so each is looked up in the stream before it is sent (outbox_events_reconciled_total counts those found)"
         );
     }
+}
+
+/// `at` as Unix time in seconds (0 before the epoch).
+fn unix_seconds(at: SystemTime) -> f64 {
+    at.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 #[cfg(test)]
@@ -422,6 +450,7 @@ mod tests {
             total: Cow::Owned(backlog(7)),
             parts: Cow::Owned(parts),
             next_ms: u64::MAX,
+            read_at_ms: 1_700_000_000_123,
         })
         .expect("serialize")
     }
@@ -508,5 +537,23 @@ mod tests {
         assert!(h.take(&old.to_string(), 1).is_some());
         h.last = Instant::now() - Duration::from_secs(16);
         assert!(h.reads_itself(s));
+    }
+
+    #[test]
+    fn figures_heard_carry_when_the_reader_read_them() {
+        let mut h = heard();
+        let f = h.take(&payload(2, 1, 1, 0, 1), 1).expect("taken");
+        assert_eq!(unix_seconds(f.read_at), 1_700_000_000.123);
+        // a reader that does not say: when they were heard
+        let mut old: serde_json::Value =
+            serde_json::from_str(&payload(2, 2, 1, 0, 1)).expect("json");
+        old.as_object_mut().expect("object").remove("read_at_ms");
+        let before = SystemTime::now();
+        let f = h.take(&old.to_string(), 1).expect("taken");
+        assert!(f.read_at >= before && f.read_at <= SystemTime::now());
+        assert_eq!(
+            unix_seconds(SystemTime::UNIX_EPOCH - Duration::from_secs(1)),
+            0.0
+        );
     }
 }
