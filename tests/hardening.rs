@@ -1358,6 +1358,51 @@ fn removed_by_filter(plan: &str, index: &str) -> Option<u64> {
     Some(removed)
 }
 
+// 43. A partition walked by the partition index from a cursor deep into it: written with its
+// equality and a row comparison (which only that index serves), the index scan started at the
+// partition's first entry and read every entry up to the cursor (the equality is the scan's
+// start, and a row comparison's later column starts nothing behind it): in the default mode
+// the index keeps every row until cleanup, so each batch of a busy partition read more of it
+// than the last (218 buffers a batch in the bench's drain of 100,000 rows, against 43). With
+// the cursor's `seq` a bound of its own, the scan starts at the cursor: a batch at the end of
+// the partitions costs what one at their start does.
+#[tokio::test]
+async fn a_partition_read_by_the_partition_index_starts_at_its_cursor() {
+    use outbox_diesel::relay::{Cursor, Partitioning, explain_batches_analyze_in};
+    let db = TestDb::new();
+    let table = outbox_diesel::OutboxTable::DEFAULT;
+    insert_rows_over(&db, 100_000, 1_000);
+    assert!(outbox_diesel::create_partition_index(&mut db.conn(), &table, 4).expect("index"));
+    db.execute("ANALYZE outbox", "analyze");
+    let snap = db.strings("SELECT pg_current_snapshot()::text").remove(0);
+    let mut conn = db.relay_session().await;
+    let indexed = Partitioning::new(4).indexed(true);
+    let at = |seq: i64| {
+        [
+            (1, Cursor::at(seq, snap.clone())),
+            (3, Cursor::at(seq, snap.clone())),
+        ]
+    };
+    // the session's generic plan first
+    for _ in 0..6 {
+        explain_batches_analyze_in(&mut conn, &table, indexed, &at(0), 200)
+            .await
+            .expect("explain");
+    }
+    let start = explain_batches_analyze_in(&mut conn, &table, indexed, &at(0), 200)
+        .await
+        .expect("explain");
+    let deep = explain_batches_analyze_in(&mut conn, &table, indexed, &at(99_000), 200)
+        .await
+        .expect("explain");
+    assert_no_dearer(
+        "200 rows of 2 partitions of 4 by the partition index",
+        (buffers(&start), "from their start"),
+        (buffers(&deep), "from seq 99,000 of 100,000", &deep),
+        10,
+    );
+}
+
 // 42. Walked by the partition index, each partition a relay read had a fixed share of the batch
 // (the row limit over the partitions read): with the traffic on one of them, batches were a
 // fraction of `--batch-size` (a relay reading 4 partitions got 125 rows a batch of 500 from

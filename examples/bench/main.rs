@@ -183,7 +183,8 @@ struct Run {
     cleanup: bool,
     /// with the partition index of `partitions` (`outbox-relay index`)
     indexed: bool,
-    /// nine events in ten on one aggregate (one busy partition), the tenth spread over 1,000
+    /// nine events in ten on 100 aggregates of partition 0 of 8 (one busy partition), the
+    /// tenth spread over 1,000 aggregates
     skewed: bool,
 }
 
@@ -317,14 +318,20 @@ impl Bench {
         self.fill_rows(n, 200_000, published)
     }
 
-    /// [`Bench::fill`] with nine rows in ten on one aggregate (`order-busy`), the tenth spread
-    /// over 1,000 as `fill` spreads them: the traffic of one busy partition among quiet ones.
+    /// [`Bench::fill`] with nine rows in ten on 100 aggregates whose partition of 8 is 0, the
+    /// tenth spread over 1,000 as `fill` spreads them: the traffic of one busy partition among
+    /// quiet ones. (One busy aggregate would measure something else: a relay sends a row only
+    /// once the previous row of its aggregate is acked, so one aggregate goes at one message
+    /// per round trip to the server.)
     fn fill_skewed(&self, n: usize) -> Result<()> {
         self.fill_aggregates(
             n,
             200_000,
             false,
-            "CASE WHEN i % 10 = 0 THEN 'order-' || (i % 1000) ELSE 'order-busy' END",
+            "CASE WHEN i % 10 = 0 THEN 'order-' || (i % 1000) \
+             ELSE (ARRAY(SELECT 'busy-' || g FROM generate_series(0, 10000) AS g \
+             WHERE ('x' || substr(md5('busy-' || g), 1, 7))::bit(28)::integer % 8 = 0 \
+             ORDER BY g LIMIT 100))[1 + i % 100] END",
         )
     }
 

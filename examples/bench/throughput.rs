@@ -153,7 +153,7 @@ impl Bench {
             Run {
                 skewed: true,
                 ..run(
-                    "ordered, 8 partitions, 4 relays, one busy aggregate (9 events in 10)",
+                    "ordered, 8 partitions, 4 relays, one busy partition (9 events in 10)",
                     ModeKind::Ordered,
                     8,
                     1,
@@ -165,7 +165,7 @@ impl Bench {
                 indexed: true,
                 skewed: true,
                 ..run(
-                    "ordered, 8 partitions, 4 relays, partition index, one busy aggregate (9 events in 10)",
+                    "ordered, 8 partitions, 4 relays, partition index, one busy partition (9 events in 10)",
                     ModeKind::Ordered,
                     8,
                     1,

@@ -356,29 +356,31 @@ fn batch_sql(table: &OutboxTable, count: u32, some: bool, shape: Walk) -> String
     // the next rows: one walk by `seq` through the partitions read, or (by the partition
     // index) each partition's own, merged by `seq`. A partition's rows are written as its
     // equality with `p` (so that PostgreSQL knows each walk comes in `seq` order and merges
-    // them, reading no more than the limit) and a range of the partition index, `(partition,
-    // seq)` after `(p, its cursor)`: a row comparison no other index serves. Written
-    // `partition = p AND seq > cursor` alone, the planner walked `ready` for each partition and
-    // passed over the others' rows where the statistics did not yet show how the partitions'
-    // rows spread (a new table)
+    // them, reading no more than the limit), `seq` after its cursor (where the index scan
+    // starts: behind the equality, a row comparison's `seq` starts nothing, and the scan read
+    // the partition's every entry up to the cursor), and the same range as a row comparison on
+    // the partition index's columns, which no other index serves. Written without it, the
+    // planner walked `ready` for each partition and passed over the others' rows where the
+    // statistics did not yet show how the partitions' rows spread (a new table)
+    let partition_walk = |i: usize| {
+        let (wp, after) = (
+            format!("((SELECT $11::int4[]))[{i}]"),
+            format!("((SELECT $12::int8[]))[{i}]"),
+        );
+        format!(
+            "(SELECT {READ}, {p} AS p FROM {t} o WHERE {p} = {wp} AND o.seq > {after} \
+             AND ({p}, o.seq) > ({wp}, {after}) \
+             AND o.published_at IS NULL AND o.parked_at IS NULL ORDER BY o.seq)"
+        )
+    };
     let from = match shape {
-        Walk::ByPartition(walks) => {
+        Walk::ByPartition(walks) => format!(
+            "{} ORDER BY seq LIMIT {limit}",
             (1..=walks)
-                .map(|i| {
-                    let (wp, wafter) = (
-                        format!("((SELECT $11::int4[]))[{i}]"),
-                        format!("((SELECT $12::int8[]))[{i}]"),
-                    );
-                    format!(
-                        "(SELECT {READ}, {p} AS p FROM {t} o WHERE {p} = {wp} \
-                     AND ({p}, o.seq) > ({wp}, {wafter}) \
-                     AND o.published_at IS NULL AND o.parked_at IS NULL ORDER BY o.seq)"
-                    )
-                })
+                .map(partition_walk)
                 .collect::<Vec<_>>()
                 .join(" UNION ALL ")
-                + &format!(" ORDER BY seq LIMIT {limit}")
-        }
+        ),
         _ => format!(
             "SELECT {READ}, {p} AS p FROM {t} o WHERE o.published_at IS NULL \
              AND o.parked_at IS NULL AND o.seq > (SELECT $7::int8){walked} \
