@@ -108,18 +108,29 @@ pub async fn check_backlog(conn: &mut AsyncPgConnection, table: &OutboxTable) ->
         .map(drop)
 }
 
+/// The figures of a backlog ([`Backlog`]'s columns) over the unpublished rows `o`, NULL ages
+/// where there is no such row.
+fn figures_sql() -> String {
+    format!(
+        "count(*) AS unpublished, \
+         EXTRACT(EPOCH FROM now() - min(o.created_at))::float8 AS oldest_age_seconds, \
+         count(*) FILTER (WHERE {PARKED}) AS parked, \
+         count(*) FILTER (WHERE o.attempts > 0) AS in_doubt, \
+         EXTRACT(EPOCH FROM now() - min(o.created_at) FILTER (WHERE o.attempts > 0))::float8 \
+         AS oldest_in_doubt_age_seconds"
+    )
+}
+
 /// [`backlog`]'s statement.
 async fn backlog_sql(conn: &mut AsyncPgConnection, table: &OutboxTable) -> QueryResult<String> {
     let cov = Coverage::of(conn, table).await?;
     Ok(format!(
-        "{}SELECT count(*) AS unpublished, \
-         COALESCE(EXTRACT(EPOCH FROM now() - min(o.created_at)), 0)::float8 AS oldest_age_seconds, \
-         count(*) FILTER (WHERE {PARKED}) AS parked, \
-         count(*) FILTER (WHERE o.attempts > 0) AS in_doubt, \
-         COALESCE(EXTRACT(EPOCH FROM now() - min(o.created_at) FILTER (WHERE o.attempts > 0)), 0)::float8 \
-         AS oldest_in_doubt_age_seconds \
-         FROM {}",
+        "{}SELECT b.unpublished, COALESCE(b.oldest_age_seconds, 0)::float8 AS oldest_age_seconds, \
+         b.parked, b.in_doubt, \
+         COALESCE(b.oldest_in_doubt_age_seconds, 0)::float8 AS oldest_in_doubt_age_seconds \
+         FROM (SELECT {} FROM {}) b",
         cov.with(),
+        figures_sql(),
         cov.unpublished(table)
     ))
 }
@@ -142,28 +153,13 @@ pub struct PartitionBacklog {
 }
 
 /// The backlog of every partition of `table` split into `count` partitions, partition by
-/// partition (`0..count`, empty ones included).
+/// partition (`0..count`, empty ones included): [`backlogs`] without the table's.
 pub async fn partition_backlog(
     conn: &mut AsyncPgConnection,
     table: &OutboxTable,
     count: u32,
 ) -> QueryResult<Vec<PartitionBacklog>> {
-    let cov = Coverage::of(conn, table).await?;
-    diesel::sql_query(format!(
-        "{}SELECT p.partition, COALESCE(b.unpublished, 0) AS unpublished, \
-         COALESCE(b.oldest_age_seconds, 0)::float8 AS oldest_age_seconds, \
-         COALESCE(b.parked, 0) AS parked \
-         FROM generate_series(0, $1 - 1) AS p(partition) LEFT JOIN ( \
-         SELECT o.aggregate_hash % $1 AS partition, count(*) AS unpublished, \
-         EXTRACT(EPOCH FROM now() - min(o.created_at))::float8 AS oldest_age_seconds, \
-         count(*) FILTER (WHERE {PARKED}) AS parked \
-         FROM {} GROUP BY 1) b USING (partition) ORDER BY 1",
-        cov.with(),
-        cov.unpublished(table)
-    ))
-    .bind::<Integer, _>(count.max(1) as i32)
-    .load(conn)
-    .await
+    backlogs(conn, table, count).await.map(|(_, parts)| parts)
 }
 
 /// A partition's backlog with its rows in doubt, which [`backlogs`] adds up to the table's.
@@ -194,14 +190,10 @@ pub async fn backlogs(
          COALESCE(b.parked, 0) AS parked, COALESCE(b.in_doubt, 0) AS in_doubt, \
          COALESCE(b.oldest_in_doubt_age_seconds, 0)::float8 AS oldest_in_doubt_age_seconds \
          FROM generate_series(0, $1 - 1) AS p(partition) LEFT JOIN ( \
-         SELECT o.aggregate_hash % $1 AS partition, count(*) AS unpublished, \
-         EXTRACT(EPOCH FROM now() - min(o.created_at))::float8 AS oldest_age_seconds, \
-         count(*) FILTER (WHERE {PARKED}) AS parked, \
-         count(*) FILTER (WHERE o.attempts > 0) AS in_doubt, \
-         EXTRACT(EPOCH FROM now() - min(o.created_at) FILTER (WHERE o.attempts > 0))::float8 \
-         AS oldest_in_doubt_age_seconds \
+         SELECT o.aggregate_hash % $1 AS partition, {} \
          FROM {} GROUP BY 1) b USING (partition) ORDER BY 1",
         cov.with(),
+        figures_sql(),
         cov.unpublished(table)
     ))
     .bind::<Integer, _>(count.max(1) as i32)
