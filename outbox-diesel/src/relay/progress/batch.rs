@@ -87,6 +87,12 @@ pub async fn fetch_batch(
     }))
 }
 
+/// The most partitions [`fetch_batches_in`] reads by the partition index in one statement: each
+/// is a walk of the index of its own, merged with the others by `seq`, and PostgreSQL plans
+/// them all once per session. A relay that reads more walks the `ready` index, as without the
+/// partition index.
+pub const MAX_PARTITIONS_BY_INDEX: usize = super::statement::MERGED_MAX;
+
 /// How a relay's partitions are cut: how many there are, and whether the table has the
 /// partition index of that count ([`create_partition_index`](crate::create_partition_index)),
 /// which [`fetch_batches_in`] then reads each partition by when the relay reads some of them.
@@ -173,10 +179,11 @@ pub async fn fetch_batches(
 }
 
 /// [`fetch_batches`] for partitions cut as `partitioning` says. With the partition index, a
-/// relay that reads some of the partitions (at most 64; more are read as without it), or reads
-/// them at different cursors, reads each one by that index from its own cursor, their rows
-/// merged in `seq` order within `limit` and `max_bytes` as one walk's would be, and no row of
-/// the partitions it does not read: a busy partition among quiet ones fills the batch.
+/// relay that reads some of the partitions (at most [`MAX_PARTITIONS_BY_INDEX`]; more are read
+/// as without it), or reads them at different cursors, reads each one by that index from its
+/// own cursor, their rows merged in `seq` order within `limit` and `max_bytes` as one walk's
+/// would be, and no row of the partitions it does not read: a busy partition among quiet ones
+/// fills the batch.
 #[tracing::instrument(name = "outbox.claim", level = "debug", skip_all, fields(outbox.table = %table, outbox.partitions = cursors.len()))]
 pub async fn fetch_batches_in(
     conn: &mut AsyncPgConnection,

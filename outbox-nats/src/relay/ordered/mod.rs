@@ -349,7 +349,14 @@ impl OrderedRelay {
             );
             *partitioning = partitioning.indexed(indexed);
         }
-        if !indexed && !owned.is_empty() && owned.len() < n as usize && !*warned {
+        // (a relay that owns more partitions than a statement reads by the index walks `ready`
+        // with it too)
+        if !indexed
+            && !owned.is_empty()
+            && owned.len() < n as usize
+            && owned.len() <= db::MAX_PARTITIONS_BY_INDEX
+            && !*warned
+        {
             warn!(
                 partitions = n,
                 owned = owned.len(),
