@@ -120,11 +120,13 @@ impl Heard {
         if self.other_count || (partitions > 1 && parts.len() != partitions as usize) {
             return None;
         }
-        // a reading of a relay that does not say when it read: as heard
-        let read_at = match shared.read_at_ms {
-            0 => SystemTime::now(),
-            ms => SystemTime::UNIX_EPOCH + Duration::from_millis(ms),
-        };
+        // a reading of a relay that does not say when it read, or says a time after it was
+        // heard (its clock ahead of this relay's): as heard
+        let heard_at = SystemTime::now();
+        let read_at = SystemTime::UNIX_EPOCH
+            .checked_add(Duration::from_millis(shared.read_at_ms))
+            .filter(|at| shared.read_at_ms > 0 && *at <= heard_at)
+            .unwrap_or(heard_at);
         Some(Figures {
             total: shared.total.into_owned(),
             parts: (partitions > 1).then_some(parts),
@@ -551,6 +553,12 @@ mod tests {
         let before = SystemTime::now();
         let f = h.take(&old.to_string(), 1).expect("taken");
         assert!(f.read_at >= before && f.read_at <= SystemTime::now());
+        // nor one after it was heard
+        let mut far: serde_json::Value =
+            serde_json::from_str(&payload(2, 3, 1, 0, 1)).expect("json");
+        far["read_at_ms"] = u64::MAX.into();
+        let f = h.take(&far.to_string(), 1).expect("taken");
+        assert!(f.read_at <= SystemTime::now());
         assert_eq!(
             unix_seconds(SystemTime::UNIX_EPOCH - Duration::from_secs(1)),
             0.0
