@@ -356,10 +356,7 @@ async fn share(
                 total: Cow::Borrowed(&f.total),
                 parts: Cow::Borrowed(parts),
                 next_ms: next.as_millis() as u64,
-                read_at_ms: f
-                    .read_at
-                    .duration_since(SystemTime::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_millis() as u64),
+                read_at_ms: since_epoch(f.read_at).as_millis() as u64,
             })
         })
         .collect::<Result<Vec<_>, _>>()
@@ -408,10 +405,15 @@ fn apply(cfg: &RelayConfig, health: &Health, duplicate_window: Duration, f: &Fig
     }
 }
 
+/// The time from the Unix epoch to `at` (none before the epoch).
+fn since_epoch(at: SystemTime) -> Duration {
+    at.duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default()
+}
+
 /// `at` as Unix time in seconds (0 before the epoch).
 fn unix_seconds(at: SystemTime) -> f64 {
-    at.duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
+    since_epoch(at).as_secs_f64()
 }
 
 #[cfg(test)]

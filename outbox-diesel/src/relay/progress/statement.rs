@@ -9,7 +9,7 @@ use diesel::sql_types::{Array, BigInt, Integer, Nullable, Text};
 use crate::OutboxTable;
 
 use super::super::parking::earlier_waiting_sql;
-use super::Cursor;
+use super::{Cursor, MAX_PARTITIONS_BY_INDEX};
 
 /// Whether an earlier row of row `o`'s aggregate is parked or held (1), or only released
 /// ones are waiting (2), or none (0). Each test stops at the first row it finds, so a row
@@ -102,7 +102,7 @@ impl<'c> Binds<'c> {
         let shape = if indexed
             && count > 1
             && !walking.is_empty()
-            && walking.len() <= MERGED_MAX
+            && walking.len() <= MAX_PARTITIONS_BY_INDEX
             && (some || differ)
         {
             Walk::ByPartition(walking.len().next_power_of_two())
@@ -229,11 +229,6 @@ enum Walk {
     ByPartition(usize),
 }
 
-/// The most partitions a statement walks by the partition index: each is a walk of its own in
-/// the statement's text, which PostgreSQL plans once per session (64: 6 ms and 2.6 MB of cached
-/// plan; 1,024 took 450 ms and 43 MB). A relay that reads more partitions walks `ready`.
-pub(super) const MERGED_MAX: usize = 64;
-
 /// The statement of [`fetch_batches`](crate::relay::fetch_batches) for partitions of `count` of `table`, `some` when the
 /// relay reads only some of them, the walk's `shape`; its binds: the partitions, their cursors'
 /// `seq`s and snapshots, the row limit, the byte budget, the released rows to leave out, the
@@ -254,9 +249,9 @@ pub(super) const MERGED_MAX: usize = 64;
 /// first batch, instead of a batch's worth of rows the others had read before at a time.
 /// While the cursors agree (the steady state) the walk tests the partition alone, which costs
 /// PostgreSQL less per event (BENCHMARKS.md, section 12). With the partition index of `count`
-/// (`indexed`), a relay that reads some of the partitions (at most [`MERGED_MAX`]), or reads
-/// them at different cursors, walks each one by that index from its own cursor and takes
-/// their rows merged in `seq` order ([`Walk::ByPartition`]), a `Merge Append` that stops at
+/// (`indexed`), a relay that reads some of the partitions (at most
+/// [`MAX_PARTITIONS_BY_INDEX`]), or reads them at different cursors, walks each one by that
+/// index from its own cursor and takes their rows merged in `seq` order ([`Walk::ByPartition`]), a `Merge Append` that stops at
 /// the row limit: it reads no row of a partition it does not read, where the walk by `seq`
 /// fetches each one to test its partition (BENCHMARKS.md, section 20), and a busy partition
 /// fills the batch whichever partitions are quiet.
@@ -454,12 +449,12 @@ mod tests {
 
     #[test]
     fn more_partitions_than_a_statement_merges_walk_the_ready_index() {
-        let most = cursors(0..MERGED_MAX as u32);
+        let most = cursors(0..MAX_PARTITIONS_BY_INDEX as u32);
         assert_eq!(
             Binds::of(1024, &most, true).shape,
-            Walk::ByPartition(MERGED_MAX)
+            Walk::ByPartition(MAX_PARTITIONS_BY_INDEX)
         );
-        let more = cursors(0..MERGED_MAX as u32 + 1);
+        let more = cursors(0..MAX_PARTITIONS_BY_INDEX as u32 + 1);
         assert_eq!(Binds::of(1024, &more, true).shape, Walk::Some);
     }
 }
