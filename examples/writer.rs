@@ -12,7 +12,7 @@
 //! table must exist already (outbox-diesel's migrations). It prints nothing per event, only a
 //! final `committed N rolled_back N failed N` line on stdout; errors go to stderr.
 //!
-//! Fault modes, for the tests in `tests/faults.rs`:
+//! Fault modes, for the tests in `tests/faults/`:
 //!
 //! - `--pause-ms N` sleeps between the business write (and the recorded event) and the
 //!   `COMMIT` of every transaction: the session is then `idle in transaction` with an xid, and
