@@ -183,22 +183,11 @@ pub async fn backlogs(
     table: &OutboxTable,
     count: u32,
 ) -> QueryResult<(Backlog, Vec<PartitionBacklog>)> {
-    let cov = Coverage::of(conn, table).await?;
-    let parts: Vec<PartitionFigures> = diesel::sql_query(format!(
-        "{}SELECT p.partition, COALESCE(b.unpublished, 0) AS unpublished, \
-         COALESCE(b.oldest_age_seconds, 0)::float8 AS oldest_age_seconds, \
-         COALESCE(b.parked, 0) AS parked, COALESCE(b.in_doubt, 0) AS in_doubt, \
-         COALESCE(b.oldest_in_doubt_age_seconds, 0)::float8 AS oldest_in_doubt_age_seconds \
-         FROM generate_series(0, $1 - 1) AS p(partition) LEFT JOIN ( \
-         SELECT o.aggregate_hash % $1 AS partition, {} \
-         FROM {} GROUP BY 1) b USING (partition) ORDER BY 1",
-        cov.with(),
-        figures_sql(),
-        cov.unpublished(table)
-    ))
-    .bind::<Integer, _>(count.max(1) as i32)
-    .load(conn)
-    .await?;
+    let sql = backlogs_sql(conn, table).await?;
+    let parts: Vec<PartitionFigures> = diesel::sql_query(sql)
+        .bind::<Integer, _>(count.max(1) as i32)
+        .load(conn)
+        .await?;
     // the oldest of the partitions that have such rows (0 when none has)
     let oldest = |age: &dyn Fn(&PartitionFigures) -> Option<f64>| {
         parts.iter().filter_map(age).reduce(f64::max).unwrap_or(0.0)
@@ -215,6 +204,39 @@ pub async fn backlogs(
         }),
     };
     Ok((total, parts.into_iter().map(|p| p.backlog).collect()))
+}
+
+/// [`backlogs`]'s statement (its bind: the partition count).
+async fn backlogs_sql(conn: &mut AsyncPgConnection, table: &OutboxTable) -> QueryResult<String> {
+    let cov = Coverage::of(conn, table).await?;
+    Ok(format!(
+        "{}SELECT p.partition, COALESCE(b.unpublished, 0) AS unpublished, \
+         COALESCE(b.oldest_age_seconds, 0)::float8 AS oldest_age_seconds, \
+         COALESCE(b.parked, 0) AS parked, COALESCE(b.in_doubt, 0) AS in_doubt, \
+         COALESCE(b.oldest_in_doubt_age_seconds, 0)::float8 AS oldest_in_doubt_age_seconds \
+         FROM generate_series(0, $1 - 1) AS p(partition) LEFT JOIN ( \
+         SELECT o.aggregate_hash % $1 AS partition, {} \
+         FROM {} GROUP BY 1) b USING (partition) ORDER BY 1",
+        cov.with(),
+        figures_sql(),
+        cov.unpublished(table)
+    ))
+}
+
+/// [`backlogs`]'s statement run with `EXPLAIN (ANALYZE, BUFFERS)`: the plan with the rows,
+/// loops and buffers of each node.
+pub async fn explain_backlogs_analyze(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    count: u32,
+) -> QueryResult<Vec<String>> {
+    let sql = backlogs_sql(conn, table).await?;
+    let lines: Vec<super::poll::PlanLine> =
+        diesel::sql_query(format!("EXPLAIN (ANALYZE, BUFFERS) {sql}"))
+            .bind::<Integer, _>(count.max(1) as i32)
+            .load(conn)
+            .await?;
+    Ok(lines.into_iter().map(|l| l.line).collect())
 }
 
 /// What vacuum knows of the outbox table (`pg_stat_user_tables`): dead rows slow the poll

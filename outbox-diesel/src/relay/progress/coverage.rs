@@ -54,18 +54,23 @@ impl Coverage {
     }
 
     /// The unpublished rows of `table` (parked and held ones included), to read `FROM … o`.
-    /// With cursors, three parts that each use an index: parked rows, rows after the lowest
-    /// cursor, and rows at or below it of transactions some cursor's snapshot did not see.
+    /// With cursors, four parts that each use an index: parked rows, rows after the highest
+    /// cursor (which no cursor has read: counted without a look at the cursors, which costs a
+    /// look at each cursor per row), rows after the lowest cursor up to the highest, and rows
+    /// at or below the lowest of transactions some cursor's snapshot did not see.
     pub(crate) fn unpublished(&self, table: &OutboxTable) -> String {
         let t = table.quoted();
         if self.cte.is_none() {
             return format!("(SELECT * FROM {t} WHERE published_at IS NULL) o");
         }
         const LOW: &str = "(SELECT COALESCE(min(upto_seq), 0) FROM c)";
+        const HIGH: &str = "(SELECT COALESCE(max(upto_seq), 0) FROM c)";
         format!(
             "(SELECT o.* FROM {t} o WHERE o.published_at IS NULL AND o.parked_at IS NOT NULL \
              UNION ALL SELECT o.* FROM {t} o WHERE o.published_at IS NULL AND o.parked_at IS NULL \
-             AND o.seq > {LOW} AND NOT {COVERED} \
+             AND o.seq > {HIGH} \
+             UNION ALL SELECT o.* FROM {t} o WHERE o.published_at IS NULL AND o.parked_at IS NULL \
+             AND o.seq > {LOW} AND o.seq <= {HIGH} AND NOT {COVERED} \
              UNION ALL SELECT o.* FROM {t} o WHERE o.published_at IS NULL AND o.parked_at IS NULL \
              AND o.seq <= {LOW} AND ((o.txid >= (SELECT min(pg_snapshot_xmax(snap)) FROM c) \
              AND o.txid < pg_snapshot_xmax(pg_current_snapshot())) \
