@@ -377,8 +377,13 @@ impl Bench {
     /// the table: a query of the table every 10 ms would add its own cost to the database's
     /// figure, which is what the runs compare.
     async fn left(&self, stream: &str, n: usize) -> Result<bool> {
+        Ok(self.stored(stream).await? < n as u64)
+    }
+
+    /// The messages in `stream`.
+    async fn stored(&self, stream: &str) -> Result<u64> {
         let mut stream = self.js.get_stream(stream).await?;
-        Ok(stream.info().await?.state.messages < n as u64)
+        Ok(stream.info().await?.state.messages)
     }
 
     fn wal_level(&self) -> Result<String> {

@@ -13,14 +13,17 @@ impl Bench {
             "Each run follows its own baselines, the same messages with 512 acks in flight: a bare \
              async-nats publisher (JetStream's publish API, a future per ack), and a lean one (core \
              NATS publishes with a numbered reply subject under one inbox subscription, as the relay \
-             publishes); median of {repeat}. The last column is the baseline's CPU per event \
+             publishes); median of {repeat}. The steady rate is the relays' between the moments the \
+             stream held a tenth and nine tenths of the backlog: without their start (the \
+             process, its sessions, the partitions' shares settling), which the whole drain's \
+             rate counts. The last column is the baseline's CPU per event \
              outside PostgreSQL (nats-server + publisher) over the relay's (nats-server + relay): \
              the ratio to expect where the database has cores of its own.\n"
         );
         println!(
-            "| run | events/s | baseline events/s | ratio to baseline | lean baseline events/s | ratio to lean baseline | CPU µs per event: PostgreSQL / nats-server / relay | baseline: nats-server / publisher | lean baseline: nats-server / publisher | CPU ratio outside PostgreSQL |"
+            "| run | events/s | baseline events/s | ratio to baseline | lean baseline events/s | ratio to lean baseline | steady events/s | steady ratio to baseline | steady CPU µs per event: PostgreSQL / nats-server / relay | CPU µs per event: PostgreSQL / nats-server / relay | baseline: nats-server / publisher | lean baseline: nats-server / publisher | CPU ratio outside PostgreSQL |"
         );
-        println!("|---|---|---|---|---|---|---|---|---|---|");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
         let run = |name, mode, partitions, workers, relays, delete| Run {
             name,
             mode,
@@ -209,7 +212,7 @@ impl Bench {
             }
             if r.mode == ModeKind::LogTailing && !logical {
                 println!(
-                    "| {} | skipped: `wal_level` is not `logical` (`ALTER SYSTEM SET wal_level = logical` and restart PostgreSQL) | | | | | | | | |",
+                    "| {} | skipped: `wal_level` is not `logical` (`ALTER SYSTEM SET wal_level = logical` and restart PostgreSQL) | | | | | | | | | | | |",
                     r.name
                 );
                 continue;
@@ -221,13 +224,18 @@ impl Bench {
             let mut cpu = Vec::new();
             let mut base_cpu = Vec::new();
             let (mut leans, mut lean_ratios, mut lean_cpu) = (Vec::new(), Vec::new(), Vec::new());
+            let (mut steadies, mut steady_ratios, mut steady_cpu) =
+                (Vec::new(), Vec::new(), Vec::new());
             for _ in 0..repeat {
                 // a ring made anew each time, so that the backlog starts at its first block
                 self.rotate_outbox(ring)?;
                 self.partition_index(r.indexed.then_some(r.partitions))?;
                 let (baseline, b) = self.raw_publish(n).await?;
                 let (lean, l) = self.raw_publish_lean(n).await?;
-                let (rate, c) = self.relay_run(n, &r).await?;
+                let (rate, steady, c) = self.relay_run(n, &r).await?;
+                steadies.push(steady.rate);
+                steady_ratios.push(steady.rate / baseline);
+                steady_cpu.push(steady.cpu);
                 leans.push(lean);
                 lean_ratios.push(rate / lean);
                 lean_cpu.push(l);
@@ -239,14 +247,20 @@ impl Bench {
             }
             let (c, b) = (CpuUse::median(&cpu), CpuUse::median(&base_cpu));
             let l = CpuUse::median(&lean_cpu);
+            let s = CpuUse::median(&steady_cpu);
             println!(
-                "| {} | {:.0} | {:.0} | {:.2} | {:.0} | {:.2} | {:.1} / {:.1} / {:.1} | {:.1} / {:.1} | {:.1} / {:.1} | {:.2} |",
+                "| {} | {:.0} | {:.0} | {:.2} | {:.0} | {:.2} | {:.0} | {:.2} | {:.1} / {:.1} / {:.1} | {:.1} / {:.1} / {:.1} | {:.1} / {:.1} | {:.1} / {:.1} | {:.2} |",
                 r.name,
                 median(&mut rates),
                 median(&mut baselines),
                 median(&mut ratios),
                 median(&mut leans),
                 median(&mut lean_ratios),
+                median(&mut steadies),
+                median(&mut steady_ratios),
+                s.postgres,
+                s.nats,
+                s.own,
                 c.postgres,
                 c.nats,
                 c.own,
@@ -391,7 +405,9 @@ impl Bench {
         ))
     }
 
-    pub(super) async fn relay_run(&mut self, n: usize, run: &Run) -> Result<(f64, CpuUse)> {
+    /// The relays' rate over the whole drain, from their start, with the CPU each process spent
+    /// per event, and the same between a tenth and nine tenths of it (its steady state).
+    pub(super) async fn relay_run(&mut self, n: usize, run: &Run) -> Result<(f64, Steady, CpuUse)> {
         let (mode, partitions, workers, relays) =
             (run.mode, run.partitions, run.workers, run.relays);
         let (delete_published, cleanup) = (run.delete, run.cleanup);
@@ -438,8 +454,18 @@ impl Bench {
         let children = (0..relays)
             .map(|_| self.spawn_relay(&name, &prefix, &args))
             .collect::<Result<Vec<_>>>()?;
+        // when the stream first held a tenth of the backlog and nine tenths: the rate between
+        // them leaves out the relays' start (the process, its sessions, the partitions' shares)
+        let (mut tenth, mut nine_tenths) = (None, None);
         loop {
-            if !self.left(&name, n).await? {
+            let stored = self.stored(&name).await?;
+            if tenth.is_none() && stored * 10 >= n as u64 {
+                tenth = Some((Instant::now(), stored, cpu_snapshot()));
+            }
+            if nine_tenths.is_none() && stored * 10 >= n as u64 * 9 {
+                nine_tenths = Some((Instant::now(), stored, cpu_snapshot()));
+            }
+            if stored >= n as u64 {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -448,6 +474,17 @@ impl Bench {
             }
         }
         let rate = n as f64 / start.elapsed().as_secs_f64();
+        let pids: Vec<u32> = children.iter().map(RelayProcess::id).collect();
+        let steady = match (tenth, nine_tenths) {
+            (Some((t1, n1, c1)), Some((t9, n9, c9))) if t9 > t1 && n9 > n1 => Steady {
+                rate: (n9 - n1) as f64 / (t9 - t1).as_secs_f64(),
+                cpu: CpuUse::between(&c1, &c9, (n9 - n1) as usize, &pids),
+            },
+            _ => Steady {
+                rate,
+                cpu: CpuUse::default(),
+            },
+        };
         if cleanup {
             // the cleanup of what was published counts in the run's CPU
             let drained = Instant::now();
@@ -459,13 +496,12 @@ impl Bench {
             }
         }
         // before the relays exit and take their figures (and their backends') with them
-        let pids: Vec<u32> = children.iter().map(RelayProcess::id).collect();
         let cpu = CpuUse::between(&cpu_before, &cpu_snapshot(), n, &pids);
         drop(children);
         if tailing {
             self.drop_slot(&slot)?;
         }
-        Ok((rate, cpu))
+        Ok((rate, steady, cpu))
     }
 
     /// Rows in the outbox.
@@ -481,4 +517,10 @@ impl Bench {
             .get_result::<Left>(&mut conn)?
             .n)
     }
+}
+
+/// A drain's steady state: its rate and CPU per event between a tenth and nine tenths of it.
+pub(super) struct Steady {
+    rate: f64,
+    cpu: CpuUse,
 }
