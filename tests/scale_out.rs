@@ -831,9 +831,38 @@ async fn relays_find_the_partition_index_made_while_they_run() {
         index_scans(&db, "outbox_ready_p4").await > 0,
         "the relays read by the partition index"
     );
+    // two relays more: each of the four reads one partition by the index (a statement of one
+    // walk, which PostgreSQL once refused at every batch)
+    let mut relays = relays;
+    relays.extend((0..2).map(|_| {
+        let mut cmd = relay_command(&db, &stream, &["--partitions", "4"]);
+        cmd.env("RUST_LOG", "info");
+        support::Relay::start(cmd)
+    }));
+    wait_until(
+        Duration::from_secs(20),
+        "4 partitions over 4 relays",
+        || async {
+            let o = support::partition_owners(&db);
+            let mut pids: Vec<_> = o.iter().map(|(_, pid)| *pid).collect();
+            pids.sort_unstable();
+            pids.dedup();
+            o.len() == 4 && pids.len() == 4
+        },
+    )
+    .await;
+    record(200);
+    wait_published(&db, 300, Duration::from_secs(30)).await;
+    for r in &relays {
+        assert!(
+            !r.logs().contains("session lost"),
+            "a relay lost its session:\n{}",
+            r.logs()
+        );
+    }
     drop(relays);
     let got = stream.read_all().await;
-    assert_eq!(got.len(), 200, "each event once");
+    assert_eq!(got.len(), 300, "each event once");
     assert_eq!(
         by_aggregate(&got),
         expected_order(&db),

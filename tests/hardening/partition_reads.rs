@@ -497,3 +497,57 @@ async fn a_partition_taken_over_far_behind_the_others_gets_its_rows_in_the_first
     .expect("fetch");
     assert_eq!(seqs_of(&both[1].1, Source::Next), theirs[..1].to_vec());
 }
+
+// 45. A relay that owns one partition of several, with the partition index: its statement
+// was the one walk of that partition inside parentheses with its own `ORDER BY`, followed by
+// the merge's `ORDER BY seq LIMIT`, which PostgreSQL refuses ("multiple ORDER BY clauses not
+// allowed"): the relay lost its session at every batch and never read the partition (four
+// relays on eight partitions, one of them holding one partition for a while, did so five
+// times in a second). Each partition read alone comes whole, in `seq` order, by the index.
+#[tokio::test]
+async fn a_relay_that_owns_one_partition_of_several_reads_it_by_the_partition_index() {
+    use outbox_diesel::relay::{
+        Cursor, Partitioning, Source, explain_batches_analyze_in, fetch_batches_in,
+    };
+    let db = TestDb::new();
+    let table = outbox_diesel::OutboxTable::DEFAULT;
+    insert_rows_over(&db, 1_000, 40);
+    assert!(outbox_diesel::create_partition_index(&mut db.conn(), &table, 4).expect("index"));
+    let indexed = Partitioning::new(4).indexed(true);
+    let mut conn = db.relay_session().await;
+    for p in 0..4u32 {
+        let plan =
+            explain_batches_analyze_in(&mut conn, &table, indexed, &[(p, Cursor::start())], 100)
+                .await
+                .unwrap_or_else(|e| panic!("explain the batch of partition {p} alone: {e}"))
+                .join("\n");
+        assert_eq!(
+            removed_by_filter(&plan, "outbox_ready_p4"),
+            Some(0),
+            "partition {p} by the index:\n{plan}"
+        );
+        let mut cursors = vec![(p, Cursor::start())];
+        let mut got = Vec::new();
+        loop {
+            let batches =
+                fetch_batches_in(&mut conn, &table, indexed, &cursors, &[], 100, i64::MAX)
+                    .await
+                    .unwrap_or_else(|e| panic!("read partition {p} alone: {e}"));
+            let read: Vec<i64> = batches
+                .iter()
+                .flat_map(|(_, b)| seqs_of(b, Source::Next))
+                .collect();
+            assert!(read.len() <= 100, "{} rows in a batch of 100", read.len());
+            cursors = batches.into_iter().map(|(p, b)| (p, b.next)).collect();
+            if read.is_empty() {
+                break;
+            }
+            got.extend(read);
+        }
+        assert_eq!(
+            got,
+            seqs_where(&db, &format!("aggregate_hash % 4 = {p}")),
+            "partition {p}"
+        );
+    }
+}

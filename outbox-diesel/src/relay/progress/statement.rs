@@ -369,6 +369,8 @@ fn batch_sql(table: &OutboxTable, count: u32, some: bool, shape: Walk) -> String
         )
     };
     let from = match shape {
+        // one walk is in `seq` order already: a second `ORDER BY` after its own is refused
+        Walk::ByPartition(1) => format!("{} LIMIT {limit}", partition_walk(1)),
         Walk::ByPartition(walks) => format!(
             "{} ORDER BY seq LIMIT {limit}",
             (1..=walks)
