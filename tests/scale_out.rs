@@ -773,7 +773,7 @@ async fn relays_find_the_partition_index_made_while_they_run() {
         assert_eq!(code, 2, "{args:?}: {out}{err}");
         assert!(err.contains(says), "{args:?}: {err}");
     }
-    let relays: Vec<support::Relay> = (0..2)
+    let mut relays: Vec<support::Relay> = (0..2)
         .map(|_| {
             let mut cmd = relay_command(&db, &stream, &["--partitions", "4"]);
             cmd.env("RUST_LOG", "info");
@@ -833,7 +833,6 @@ async fn relays_find_the_partition_index_made_while_they_run() {
     );
     // two relays more: each of the four reads one partition by the index (a statement of one
     // walk, which PostgreSQL once refused at every batch)
-    let mut relays = relays;
     relays.extend((0..2).map(|_| {
         let mut cmd = relay_command(&db, &stream, &["--partitions", "4"]);
         cmd.env("RUST_LOG", "info");
