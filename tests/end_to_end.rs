@@ -847,3 +847,93 @@ async fn ordered_relay_reads_commits_after_a_notified_one_within_its_linger() {
 async fn unordered_relay_reads_commits_after_a_notified_one_within_its_linger() {
     commits_after_a_notified_one(outbox_nats::Unordered::default().workers(1).into()).await;
 }
+
+/// The partitions owned per relay session (its backend pid), from `pg_locks`.
+fn shares(db: &TestDb) -> HashMap<i32, usize> {
+    let mut per_pid: HashMap<i32, usize> = HashMap::new();
+    for (_, pid) in support::partition_owners(db) {
+        *per_pid.entry(pid).or_default() += 1;
+    }
+    per_pid
+}
+
+/// Relays that look at the partitions' shares every 20 s: one that joins, and one that
+/// stops, move the shares at once (relays tell each other with `NOTIFY`), whether the others
+/// are idle or standing by, not at the others' next look.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relays_move_the_shares_at_once_when_one_joins_or_stops() {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let relay = || {
+        let mut config = config(&db, &stream).lease(Duration::from_secs(60));
+        config.mode = outbox_nats::Ordered::default().partitions(2).into();
+        config.standby_interval = Duration::from_secs(20);
+        InProcessRelay::start(config, &stream)
+    };
+    let soon = Duration::from_secs(5);
+    let a = relay().await;
+    wait_until(soon, "the first relay owns both partitions", || async {
+        shares(&db).values().eq([&2])
+    })
+    .await;
+    // past the first relay's second look (100 ms after its first): its next is 20 s away
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    let b = relay().await;
+    wait_until(
+        soon,
+        "a relay that joins gets its share at once",
+        || async {
+            let s = shares(&db);
+            s.len() == 2 && s.values().all(|&n| n == 1)
+        },
+    )
+    .await;
+    let first_two: Vec<i32> = shares(&db).into_keys().collect();
+
+    // a third relay stands by: no partition is left for it
+    let c = relay().await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let s = shares(&db);
+    assert!(
+        s.len() == 2 && s.keys().all(|pid| first_two.contains(pid)),
+        "the two relays keep their partitions: {s:?}"
+    );
+
+    a.stop().await;
+    wait_until(
+        soon,
+        "the relay standing by takes the partition of one that stops, at once",
+        || async {
+            let s = shares(&db);
+            s.len() == 2
+                && s.values().all(|&n| n == 1)
+                && s.keys().any(|pid| !first_two.contains(pid))
+        },
+    )
+    .await;
+
+    b.stop().await;
+    wait_until(
+        soon,
+        "the relay left takes the partition of the next that stops, at once",
+        || async {
+            let s = shares(&db);
+            s.len() == 1 && s.iter().all(|(pid, &n)| n == 2 && !first_two.contains(pid))
+        },
+    )
+    .await;
+
+    let mut conn = db.conn();
+    for i in 0..20 {
+        conn.transaction(|conn| {
+            conn.record_event(&OrderPlaced {
+                order_id: format!("o-{}", i % 5),
+                n: i,
+            })
+        })
+        .expect("record");
+    }
+    wait_published(&db, 20, Duration::from_secs(30)).await;
+    c.stop().await;
+    assert_eq!(stream.count().await, 20);
+}

@@ -276,3 +276,49 @@ pub async fn members(
     .load(conn)
     .await
 }
+
+/// The channel on which the relays of `table` tell each other that the partitions' shares
+/// moved: one joined, or released partitions ([`notify_members`]). It is
+/// `outbox_relays_<table OID>`, which fits any table name in PostgreSQL's 63-byte channel
+/// names. An error when the table does not exist.
+pub async fn members_channel(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+) -> QueryResult<String> {
+    super::stats::channel_of(conn, table, "outbox_relays_").await
+}
+
+/// `LISTEN` on `channel` (a [`members_channel`]), for the other relays' [`notify_members`].
+pub async fn listen_members(conn: &mut AsyncPgConnection, channel: &str) -> QueryResult<()> {
+    super::session::listen_on(conn, channel).await
+}
+
+/// Tells the other relays of a table that the shares moved, with `NOTIFY` on its
+/// [`members_channel`] (`what` is the payload, e.g. `joined` or `released`), so that they
+/// look at the shares at once rather than at their next look: a relay that joins gets its
+/// share within moments, and partitions released are taken at once.
+///
+/// ```no_run
+/// use outbox_diesel::OutboxTable;
+/// use outbox_diesel::relay::{join_members, listen_members, members_channel, notify_members};
+///
+/// # async fn run(conn: &mut diesel_async::AsyncPgConnection) -> diesel::QueryResult<()> {
+/// let table = OutboxTable::DEFAULT;
+/// let channel = members_channel(conn, &table).await?;
+/// listen_members(conn, &channel).await?;
+/// join_members(conn, &table, 8).await?;
+/// notify_members(conn, &channel, "joined").await?;
+/// # Ok(()) }
+/// ```
+pub async fn notify_members(
+    conn: &mut AsyncPgConnection,
+    channel: &str,
+    what: &str,
+) -> QueryResult<()> {
+    diesel::sql_query("SELECT pg_notify($1, $2)")
+        .bind::<Text, _>(channel)
+        .bind::<Text, _>(what)
+        .execute(conn)
+        .await
+        .map(drop)
+}

@@ -14,7 +14,8 @@
 //! - `marks`: the outcome of a publish ([`mark_published`], [`delete_acked`],
 //!   [`record_failure`]);
 //! - `parking`: parked rows, the rows held back behind them, [`retry_parked`];
-//! - `locks`: partition leases and the membership of the relays balancing a table;
+//! - `locks`: partition leases and the membership of the relays balancing a table, with the
+//!   channel on which they tell each other that the shares moved ([`notify_members`]);
 //! - `stats`: [`backlog`], [`table_stats`], [`oldest_transaction`], and the channel on which
 //!   one relay sends the backlog figures to the others ([`statistics_channel`]);
 //! - `cleanup`: [`delete_published`], [`archive_published`].

@@ -31,16 +31,26 @@ pub async fn statistics_channel(
     conn: &mut AsyncPgConnection,
     table: &OutboxTable,
 ) -> QueryResult<String> {
+    channel_of(conn, table, "outbox_stats_").await
+}
+
+/// `<prefix><table OID>`: a channel of the relays of `table`. An error when the table does
+/// not exist.
+pub(crate) async fn channel_of(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    prefix: &str,
+) -> QueryResult<String> {
     #[derive(QueryableByName)]
     struct Channel {
         #[diesel(sql_type = Nullable<Text>)]
         name: Option<String>,
     }
-    let c: Channel =
-        diesel::sql_query("SELECT 'outbox_stats_' || to_regclass($1)::oid::int8 AS name")
-            .bind::<Text, _>(table.quoted())
-            .get_result(conn)
-            .await?;
+    let c: Channel = diesel::sql_query("SELECT $1 || to_regclass($2)::oid::int8 AS name")
+        .bind::<Text, _>(prefix)
+        .bind::<Text, _>(table.quoted())
+        .get_result(conn)
+        .await?;
     c.name.ok_or_else(|| {
         diesel::result::Error::QueryBuilderError(
             format!("the outbox table {table} does not exist (or this role may not see it)").into(),

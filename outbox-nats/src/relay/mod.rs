@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream;
+use diesel::pg::PgNotification;
 use diesel_async::AsyncPgConnection;
 use futures_util::StreamExt;
 use outbox_diesel::relay as db;
@@ -401,13 +402,15 @@ impl Relay {
 /// Waits for a `NOTIFY`, the poll interval (but not past `until`), or shutdown. Within
 /// [`RelayConfig::linger`] of `found` (the last read that found rows) it waits a fifth of
 /// that at most: a debounced writer notified only the first of the commits that may follow.
+/// Returns the notification that woke it, if one did: a writer's (when the relay listens for
+/// them) or, in ordered mode, another relay's on the members' channel.
 pub(crate) async fn idle(
     conn: &mut AsyncPgConnection,
     cfg: &RelayConfig,
     shutdown: &CancellationToken,
     until: std::time::Instant,
     found: Option<std::time::Instant>,
-) {
+) -> Option<PgNotification> {
     let now = std::time::Instant::now();
     let mut deadline = (now + cfg.poll_interval).min(until.max(now));
     if let Some(found) = found
@@ -416,19 +419,21 @@ pub(crate) async fn idle(
         let step = (cfg.linger / 5).max(std::time::Duration::from_millis(1));
         deadline = deadline.min(now + step);
     }
-    let sleep = tokio::time::sleep_until(deadline.into());
-    if cfg.listen {
-        let mut notes = std::pin::pin!(conn.notifications_stream());
-        tokio::select! {
-            _ = sleep => {}
-            _ = notes.next() => {}
-            _ = shutdown.cancelled() => {}
-        }
-    } else {
-        tokio::select! {
-            _ = sleep => {}
-            _ = shutdown.cancelled() => {}
-        }
+    sleep_or_notified(conn, shutdown, deadline).await
+}
+
+/// Waits until `deadline`, a notification on a channel this session listens on (none comes
+/// when it listens on none), or shutdown; returns the notification that woke it, if one did.
+pub(crate) async fn sleep_or_notified(
+    conn: &mut AsyncPgConnection,
+    shutdown: &CancellationToken,
+    deadline: std::time::Instant,
+) -> Option<PgNotification> {
+    let mut notes = std::pin::pin!(conn.notifications_stream());
+    tokio::select! {
+        _ = tokio::time::sleep_until(deadline.into()) => None,
+        note = notes.next() => note.and_then(Result::ok),
+        _ = shutdown.cancelled() => None,
     }
 }
 

@@ -117,7 +117,7 @@ impl UnorderedWorker {
                         Instant::now() + cfg.poll_interval,
                         found,
                     )
-                    .await
+                    .await;
                 }
                 Some(BatchEnd::Done) => {
                     backoff.reset();

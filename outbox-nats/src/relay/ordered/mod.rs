@@ -6,12 +6,13 @@
 //! reads every partition it owns (one statement per step for all of them: one walk through
 //! their rows, or each partition by the partition index when the table has it), so that
 //! losing the session loses every lease at once. Every `standby_interval` (every 100 ms while
-//! the shares move) a relay counts the live relays of the table in `pg_locks`, keeps its
-//! share of the partitions (N / relays, the oldest relays one more when it does not divide),
-//! releases the extra ones once the acks in flight have arrived and are recorded, and takes
-//! free ones. A relay that starts with another partition count than
-//! an older running one waits until that one is gone: two partition counts at once would let
-//! two relays publish one aggregate.
+//! the shares move, and at once when another relay says they moved) a relay counts the live
+//! relays of the table in `pg_locks`, keeps its share of the partitions (N / relays, the
+//! oldest relays one more when it does not divide), releases the extra ones once the acks in
+//! flight have arrived and are recorded, and takes free ones. A relay that joins, and one that
+//! releases partitions, tells the others with `NOTIFY` on the table's members' channel. A
+//! relay that starts with another partition count than an older running one waits until that
+//! one is gone: two partition counts at once would let two relays publish one aggregate.
 //!
 //! Publishing is a sequence of steps that keep the NATS pipeline full: in each step the rows
 //! fetched by the previous one are sent while the same session records what was acked so far
@@ -33,12 +34,14 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use async_nats::jetstream;
+use diesel::pg::PgNotification;
 use diesel_async::AsyncPgConnection;
+use futures_util::{FutureExt, StreamExt};
 use outbox_diesel::relay::{self as db, OutboxRow, Partition};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use super::{Backoff, Health, Session, SessionEnd, idle, reconnecting, settle};
+use super::{Backoff, Health, Session, SessionEnd, idle, reconnecting, settle, sleep_or_notified};
 use crate::RelayConfig;
 use crate::lease::Lease;
 use crate::metrics as m;
@@ -110,7 +113,9 @@ impl OrderedRelay {
         let lease = Lease::new(cfg.lease);
         lease.configure(conn).await?;
         let me = db::backend_pid(conn).await?;
+        let peers = Peers::listen(conn, table, me).await?;
         db::join_members(conn, table, self.mode.partitions).await?;
+        peers.tell(conn, "joined").await?;
         if cfg.listen {
             db::listen(conn, table).await?;
         }
@@ -131,10 +136,15 @@ impl OrderedRelay {
             queue: Vec::new(),
         };
         while !self.shutdown.is_cancelled() {
+            // the notifications that came while this relay worked: taken before its next
+            // read, so that a writer's says nothing that read does not see
+            if peers.moved(conn) {
+                next_balance = Instant::now();
+            }
             if Instant::now() >= next_balance {
                 let before = owned.clone();
                 let settled = self
-                    .balance(conn, me, owned, &mut holding, &mut warned_conflict)
+                    .balance(conn, me, owned, &mut holding, &mut warned_conflict, &peers)
                     .await?;
                 if !owned.is_subset(&before) {
                     // a partition taken over: its last owner may have published past any
@@ -158,9 +168,10 @@ impl OrderedRelay {
                     };
             }
             if owned.is_empty() {
-                tokio::select! {
-                    _ = tokio::time::sleep_until(next_balance.into()) => {}
-                    _ = self.shutdown.cancelled() => {}
+                if let Some(note) = sleep_or_notified(conn, &self.shutdown, next_balance).await
+                    && peers.is_peer(&note)
+                {
+                    next_balance = Instant::now();
                 }
                 continue;
             }
@@ -294,7 +305,11 @@ impl OrderedRelay {
             if queue.is_empty() {
                 if pipe.is_empty() && progress.is_settled() {
                     self.health.progressed();
-                    idle(conn, cfg, &self.shutdown, next_balance, found).await;
+                    if let Some(note) = idle(conn, cfg, &self.shutdown, next_balance, found).await
+                        && peers.is_peer(&note)
+                    {
+                        next_balance = Instant::now();
+                    }
                 } else {
                     // caught up: let the last acks arrive, record them on the next step
                     lease.keep_alive(conn, pipe.drain()).await?;
@@ -315,6 +330,7 @@ impl OrderedRelay {
             .await?;
         }
         if !owned.is_empty() {
+            peers.tell(conn, "released").await?;
             info!(partitions = ?owned, "partitions released");
         }
         owned.clear();
@@ -376,6 +392,7 @@ impl OrderedRelay {
         owned: &mut BTreeSet<u32>,
         holding: &mut Holding<'_>,
         warned_conflict: &mut bool,
+        others: &Peers,
     ) -> diesel::QueryResult<bool> {
         let cfg = &self.cfg;
         let n = self.mode.partitions;
@@ -399,7 +416,8 @@ impl OrderedRelay {
             if !owned.is_empty() {
                 // a partition is released only once what was published from it is marked
                 holding.flush(conn).await?;
-                self.release(conn, owned, owned.len(), holding).await?;
+                self.release(conn, owned, owned.len(), holding, others)
+                    .await?;
             }
             self.set_owned(owned);
             return Ok(true);
@@ -417,7 +435,7 @@ impl OrderedRelay {
         if owned.len() > fair {
             let extra = owned.len() - fair;
             holding.flush(conn).await?;
-            self.release(conn, owned, extra, holding).await?;
+            self.release(conn, owned, extra, holding, others).await?;
         } else if owned.len() < fair {
             // start where this relay's share would begin, to spread the first attempts
             let start = (rank * fair) as u32 % n;
@@ -456,6 +474,7 @@ impl OrderedRelay {
         owned: &mut BTreeSet<u32>,
         how_many: usize,
         holding: &mut Holding<'_>,
+        others: &Peers,
     ) -> diesel::QueryResult<()> {
         let n = self.mode.partitions;
         let victims: Vec<u32> = owned.iter().rev().take(how_many).copied().collect();
@@ -473,9 +492,54 @@ impl OrderedRelay {
             holding.progress.forget(*p);
         }
         if !victims.is_empty() {
+            others.tell(conn, "released").await?;
             info!(partitions = ?victims, owned = owned.len(), "partitions released to balance with other relays");
         }
         Ok(())
+    }
+}
+
+/// The other relays of the table as this session hears them: each tells the others with
+/// `NOTIFY` on the table's members' channel when it joins or releases partitions, so that the
+/// shares move at once rather than at the next look (`standby_interval`, 1 s by default).
+struct Peers {
+    channel: String,
+    /// This session's backend pid: a session hears its own notifications too.
+    me: i32,
+}
+
+impl Peers {
+    /// Listens on `table`'s members' channel.
+    async fn listen(
+        conn: &mut AsyncPgConnection,
+        table: &outbox_diesel::OutboxTable,
+        me: i32,
+    ) -> diesel::QueryResult<Self> {
+        let channel = db::members_channel(conn, table).await?;
+        db::listen_members(conn, &channel).await?;
+        Ok(Peers { channel, me })
+    }
+
+    /// Tells the other relays that the shares moved (`what`: joined, released).
+    async fn tell(&self, conn: &mut AsyncPgConnection, what: &str) -> diesel::QueryResult<()> {
+        db::notify_members(conn, &self.channel, what).await
+    }
+
+    /// Whether `note` is another relay's word that the shares moved.
+    fn is_peer(&self, note: &PgNotification) -> bool {
+        note.channel == self.channel && note.process_id != self.me
+    }
+
+    /// Takes the notifications this session has received and not yet taken, without
+    /// waiting (writers' too: the read that follows sees what they announce); whether
+    /// another relay's is among them.
+    fn moved(&self, conn: &mut AsyncPgConnection) -> bool {
+        let mut notes = std::pin::pin!(conn.notifications_stream());
+        let mut moved = false;
+        while let Some(Some(note)) = notes.next().now_or_never() {
+            moved |= note.is_ok_and(|n| self.is_peer(&n));
+        }
+        moved
     }
 }
 
