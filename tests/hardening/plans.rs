@@ -583,3 +583,79 @@ async fn the_backlog_tests_only_rows_a_cursor_may_have_read() {
         plan.join("\n")
     );
 }
+
+/// The bytes PostgreSQL sends for a batch of the one partition of `outbox` read from its
+/// start (500 rows at most), through `proxy`; and the rows the batch holds.
+async fn bytes_of_a_batch(
+    conn: &mut diesel_async::AsyncPgConnection,
+    proxy: &support::proxy::NatsProxy,
+) -> (u64, usize) {
+    use outbox_diesel::relay::{Cursor, fetch_batches};
+    let table = outbox_diesel::OutboxTable::DEFAULT;
+    let before = proxy.bytes_from_server();
+    let batches = fetch_batches(conn, &table, 1, &[(0, Cursor::start())], &[], 500, i64::MAX)
+        .await
+        .expect("fetch");
+    let rows = batches.first().map_or(0, |(_, b)| b.rows.len());
+    (proxy.bytes_from_server() - before, rows)
+}
+
+// 47. A batch's statement returned the snapshot it read at (`pg_current_snapshot()`, which
+// lists every transaction in progress) on every row: with 30 transactions in progress a batch
+// of 500 rows carried that list 500 times.
+#[tokio::test]
+async fn a_batch_sends_its_snapshot_once() {
+    use diesel_async::AsyncConnection;
+    let db = TestDb::new();
+    insert_rows(&db, 500);
+    let server = db
+        .url
+        .split('@')
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .expect("host:port in the test database's URL");
+    let proxy = support::proxy::NatsProxy::start(server);
+    let url = db.url.replacen(server, &proxy.addr(), 1);
+    let mut conn = diesel_async::AsyncPgConnection::establish(&url)
+        .await
+        .expect("connect through the proxy");
+    // the first call prepares the statement
+    bytes_of_a_batch(&mut conn, &proxy).await;
+    let (quiet, rows) = bytes_of_a_batch(&mut conn, &proxy).await;
+    assert_eq!(rows, 500);
+
+    let open: Vec<PgConnection> = (0..30)
+        .map(|_| {
+            let mut c = db.conn();
+            for sql in ["BEGIN", "SELECT pg_current_xact_id()"] {
+                diesel::connection::SimpleConnection::batch_execute(&mut c, sql)
+                    .expect("a transaction in progress");
+            }
+            c
+        })
+        .collect();
+    // a transaction that ends after them: a snapshot lists those in progress below the last
+    // one ended
+    db.scalar("SELECT pg_current_xact_id()::text::int8");
+    let snapshot = db.scalar("SELECT length(pg_current_snapshot()::text)::int8");
+    assert!(
+        snapshot > 100,
+        "the snapshot lists the 30: {snapshot} bytes ({} idle in transaction)",
+        db.scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction' \
+             AND datname = current_database()"
+        )
+    );
+    let (busy, rows) = bytes_of_a_batch(&mut conn, &proxy).await;
+    assert_eq!(rows, 500, "the rows committed before the 30 began are read");
+    drop(open);
+    println!(
+        "a batch of 500 rows: {quiet} bytes, {busy} with 30 transactions in progress \
+         (a snapshot of {snapshot} bytes)"
+    );
+    assert!(
+        busy < quiet + 2 * snapshot as u64,
+        "the batch sent {busy} bytes with 30 transactions in progress, {quiet} with none: \
+         its snapshot of {snapshot} bytes more than once"
+    );
+}

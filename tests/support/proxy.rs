@@ -6,11 +6,12 @@
 //! ([`NatsProxy::down`]: every connection is cut and new ones are closed at once); holding
 //! ([`NatsProxy::hold`]: the client's bytes are kept, not forwarded, until
 //! [`NatsProxy::up`] lets them through: what a process paused with publishes in its buffers
-//! sends when it resumes).
+//! sends when it resumes). It passes any TCP protocol: in front of PostgreSQL it counts the
+//! bytes the server sends ([`NatsProxy::bytes_from_server`]).
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -27,6 +28,8 @@ pub struct NatsProxy {
     conns: Arc<Mutex<Vec<TcpStream>>>,
     /// The client's bytes kept while holding, every connection's.
     held: Arc<Mutex<Vec<u8>>>,
+    /// The bytes the server sent, every connection's.
+    from_server: Arc<AtomicU64>,
 }
 
 impl NatsProxy {
@@ -48,9 +51,10 @@ impl NatsProxy {
             stop: Arc::new(AtomicBool::new(false)),
             conns: Arc::default(),
             held: Arc::default(),
+            from_server: Arc::default(),
         };
         let (state, stop, conns) = (proxy.state.clone(), proxy.stop.clone(), proxy.conns.clone());
-        let held = proxy.held.clone();
+        let (held, counted) = (proxy.held.clone(), proxy.from_server.clone());
         std::thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) {
                 let client = match listener.accept() {
@@ -79,10 +83,10 @@ impl NatsProxy {
                     (Ok(c), Ok(s)) => (c, s),
                     _ => continue,
                 };
-                let (st, h) = (state.clone(), held.clone());
-                std::thread::spawn(move || pump(client, server, st, false, h));
-                let (st, h) = (state.clone(), held.clone());
-                std::thread::spawn(move || pump(s2, c2, st, true, h));
+                let (st, h, n) = (state.clone(), held.clone(), counted.clone());
+                std::thread::spawn(move || pump(client, server, st, false, h, n));
+                let (st, h, n) = (state.clone(), held.clone(), counted.clone());
+                std::thread::spawn(move || pump(s2, c2, st, true, h, n));
             }
         });
         proxy
@@ -91,6 +95,16 @@ impl NatsProxy {
     /// Its URL, for the relay.
     pub fn url(&self) -> String {
         format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// Its address, `127.0.0.1:<port>`.
+    pub fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// The bytes the server has sent through it so far (dropped ones included).
+    pub fn bytes_from_server(&self) -> u64 {
+        self.from_server.load(Ordering::Relaxed)
     }
 
     /// From now on the server's bytes (acks, replies, pings) are dropped.
@@ -144,6 +158,7 @@ fn pump(
     state: Arc<AtomicU8>,
     from_server: bool,
     held: Arc<Mutex<Vec<u8>>>,
+    counted: Arc<AtomicU64>,
 ) {
     let mut buf = [0u8; 16 * 1024];
     if !from_server {
@@ -164,6 +179,9 @@ fn pump(
             }
             Err(_) => break,
         };
+        if from_server {
+            counted.fetch_add(n as u64, Ordering::Relaxed);
+        }
         let now = state.load(Ordering::Relaxed);
         match now {
             DOWN => break,

@@ -3,7 +3,7 @@
 
 use std::collections::HashSet;
 
-use diesel::sql_types::{Array, BigInt, Bool, Integer, Text};
+use diesel::sql_types::{Array, BigInt, Bool, Integer, Nullable, Text};
 use diesel::{QueryResult, QueryableByName};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 
@@ -56,8 +56,10 @@ struct Fetched {
     /// the batch's limits); 0 for the others.
     #[diesel(sql_type = BigInt)]
     late_total: i64,
-    #[diesel(sql_type = Text)]
-    snap: String,
+    /// The statement's snapshot, on its first row only (it lists every transaction in
+    /// progress, which may be many).
+    #[diesel(sql_type = Nullable<Text>)]
+    snap: Option<String>,
 }
 
 /// Reads the next batch of `partition` after `cursor`: [`fetch_batches`] for one partition.
@@ -199,13 +201,13 @@ pub async fn fetch_batches_in(
     }
     let count = partitioning.count;
     let binds = Binds::of(count, cursors, partitioning.indexed);
-    let fetched: Vec<Fetched> = binds
+    let mut fetched: Vec<Fetched> = binds
         .statement(table, count, "", exclude, limit, max_bytes)
         .load(conn)
         .await?;
     // the statement's snapshot, when it returned a row; with none, nothing was there to read:
     // a late pass has ended, the other cursors stay
-    let snap = <[Fetched]>::first(&fetched).map(|f| f.snap.clone());
+    let snap = fetched.iter_mut().find_map(|f| f.snap.take());
     // how far the walk went: every row of the walked partitions up to there that `snap` sees
     // (returned, or at or below its own partition's cursor)
     let walked = fetched

@@ -396,7 +396,8 @@ fn batch_sql(table: &OutboxTable, count: u32, some: bool, shape: Walk) -> String
          c.upper::pg_snapshot AS upper \
          FROM unnest((SELECT $1::int4[]), (SELECT $2::int8[]), (SELECT $3::text[]), \
          (SELECT $8::int8[]), (SELECT $9::text[])) AS c(p, upto, snap, after, upper)){few} \
-         SELECT {COLUMNS}, o.part, o.p, {behind} AS behind, o.late_total, (SELECT s::text FROM cur) AS snap FROM ( \
+         SELECT {COLUMNS}, o.part, o.p, {behind} AS behind, o.late_total, \
+         CASE WHEN row_number() OVER () = 1 THEN (SELECT s::text FROM cur) END AS snap FROM ( \
          {next} \
          UNION ALL \
          (SELECT {COLUMNS}, 1, o.p, o.total FROM (SELECT {COLUMNS}, o.p, \
