@@ -42,7 +42,7 @@ pub struct Batch {
 struct Fetched {
     #[diesel(embed)]
     event: OutboxRowText,
-    /// 0 next, 1 late, 2 released
+    /// 0 next, 1 late, 2 released (3: the snapshot, [`SNAPSHOT_PART`](super::statement::SNAPSHOT_PART))
     #[diesel(sql_type = Integer)]
     part: i32,
     /// The row's partition (`aggregate_hash % count`).
@@ -56,8 +56,8 @@ struct Fetched {
     /// the batch's limits); 0 for the others.
     #[diesel(sql_type = BigInt)]
     late_total: i64,
-    /// The statement's snapshot, on its first row only (it lists every transaction in
-    /// progress, which may be many).
+    /// The statement's snapshot, on its last row only, which carries no event
+    /// ([`SNAPSHOT_PART`](super::statement::SNAPSHOT_PART)).
     #[diesel(sql_type = Nullable<Text>)]
     snap: Option<String>,
 }
@@ -207,7 +207,11 @@ pub async fn fetch_batches_in(
         .await?;
     // the statement's snapshot, when it returned a row; with none, nothing was there to read:
     // a late pass has ended, the other cursors stay
-    let snap = fetched.iter_mut().find_map(|f| f.snap.take());
+    let snapshot = fetched
+        .iter()
+        .rposition(|f| f.part == super::statement::SNAPSHOT_PART)
+        .map(|i| fetched.swap_remove(i).snap);
+    let snap = snapshot.flatten().filter(|_| !fetched.is_empty());
     // how far the walk went: every row of the walked partitions up to there that `snap` sees
     // (returned, or at or below its own partition's cursor)
     let walked = fetched

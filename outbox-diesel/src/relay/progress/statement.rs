@@ -396,8 +396,7 @@ fn batch_sql(table: &OutboxTable, count: u32, some: bool, shape: Walk) -> String
          c.upper::pg_snapshot AS upper \
          FROM unnest((SELECT $1::int4[]), (SELECT $2::int8[]), (SELECT $3::text[]), \
          (SELECT $8::int8[]), (SELECT $9::text[])) AS c(p, upto, snap, after, upper)){few} \
-         SELECT {COLUMNS}, o.part, o.p, {behind} AS behind, o.late_total, \
-         CASE WHEN row_number() OVER () = 1 THEN (SELECT s::text FROM cur) END AS snap FROM ( \
+         SELECT {COLUMNS}, o.part, o.p, {behind} AS behind, o.late_total, NULL::text AS snap FROM ( \
          {next} \
          UNION ALL \
          (SELECT {COLUMNS}, 1, o.p, o.total FROM (SELECT {COLUMNS}, o.p, \
@@ -421,9 +420,18 @@ fn batch_sql(table: &OutboxTable, count: u32, some: bool, shape: Walk) -> String
          WINDOW w AS (PARTITION BY o.p ORDER BY o.seq)) o WHERE o.rn <= $4 AND o.before < $5) \
          UNION ALL \
          (SELECT {READ}, 2, {p}, 0::int8 FROM {t} o WHERE o.parked_at = 'infinity' \
-         AND o.published_at IS NULL{owned} AND o.seq <> ALL($6) ORDER BY o.seq LIMIT {limit})) o"
+         AND o.published_at IS NULL{owned} AND o.seq <> ALL($6) ORDER BY o.seq LIMIT {limit})) o \
+         UNION ALL \
+         SELECT 0::int8, '00000000-0000-0000-0000-000000000000'::uuid, '', '', '', '', \
+         '{{}}'::jsonb, 'epoch'::timestamptz, 0, {SNAPSHOT_PART}, 0, 0, 0::int8, \
+         (SELECT s::text FROM cur)"
     )
 }
+
+/// The `part` of the statement's last row, which carries its snapshot (`pg_current_snapshot()`
+/// as text) and no event: the snapshot lists every transaction in progress, which may be many,
+/// and is sent once a batch rather than on each of its rows.
+pub(super) const SNAPSHOT_PART: i32 = 3;
 
 #[cfg(test)]
 mod tests {
