@@ -289,7 +289,10 @@ async fn batch_statement_plans(conn: &mut diesel_async::AsyncPgConnection) -> Ve
 /// The ordered batch statement keeps its generic plan: PostgreSQL plans it once per session,
 /// with 1 and with 4 partitions. A statement whose generic plan PostgreSQL judges costlier
 /// than a custom one is planned again at every call (a per-transaction look-up of late rows in
-/// every batch did that: 0.69 ms an empty batch against 0.11).
+/// every batch did that: 0.69 ms an empty batch against 0.11). And it is planned once: a
+/// relay's session plans no custom plan first (PostgreSQL plans five before it compares; four
+/// relays sharing 8 partitions spent 125-148 ms of a 100,000-event drain planning their batch
+/// statements, 25-41 ms with the generic plan alone).
 #[tokio::test]
 async fn the_ordered_batch_statement_is_planned_once_per_session() {
     use outbox_diesel::relay::{Cursor, fetch_batches};
@@ -313,8 +316,8 @@ async fn the_ordered_batch_statement_is_planned_once_per_session() {
     );
     for p in &plans {
         assert!(
-            p.generic_plans >= 14 && p.custom_plans <= 6,
-            "planned at each call: {plans:?}"
+            p.generic_plans == 20 && p.custom_plans == 0,
+            "planned more than once: {plans:?}"
         );
     }
 }
