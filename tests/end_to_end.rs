@@ -848,15 +848,6 @@ async fn unordered_relay_reads_commits_after_a_notified_one_within_its_linger() 
     commits_after_a_notified_one(outbox_nats::Unordered::default().workers(1).into()).await;
 }
 
-/// The partitions owned per relay session (its backend pid), from `pg_locks`.
-fn shares(db: &TestDb) -> HashMap<i32, usize> {
-    let mut per_pid: HashMap<i32, usize> = HashMap::new();
-    for (_, pid) in support::partition_owners(db) {
-        *per_pid.entry(pid).or_default() += 1;
-    }
-    per_pid
-}
-
 /// Relays that look at the partitions' shares every 20 s: one that joins, and one that
 /// stops, move the shares at once (relays tell each other with `NOTIFY`), whether the others
 /// are idle or standing by, not at the others' next look.
@@ -872,7 +863,7 @@ async fn relays_move_the_shares_at_once_when_one_joins_or_stops() {
     let soon = Duration::from_secs(5);
     let a = relay().await;
     wait_until(soon, "the first relay owns both partitions", || async {
-        shares(&db).values().eq([&2])
+        support::partitions_per_owner(&db).values().eq([&2])
     })
     .await;
     // past the first relay's second look (100 ms after its first): its next is 20 s away
@@ -883,17 +874,17 @@ async fn relays_move_the_shares_at_once_when_one_joins_or_stops() {
         soon,
         "a relay that joins gets its share at once",
         || async {
-            let s = shares(&db);
+            let s = support::partitions_per_owner(&db);
             s.len() == 2 && s.values().all(|&n| n == 1)
         },
     )
     .await;
-    let first_two: Vec<i32> = shares(&db).into_keys().collect();
+    let first_two: Vec<i32> = support::partitions_per_owner(&db).into_keys().collect();
 
     // a third relay stands by: no partition is left for it
     let c = relay().await;
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let s = shares(&db);
+    let s = support::partitions_per_owner(&db);
     assert!(
         s.len() == 2 && s.keys().all(|pid| first_two.contains(pid)),
         "the two relays keep their partitions: {s:?}"
@@ -904,7 +895,7 @@ async fn relays_move_the_shares_at_once_when_one_joins_or_stops() {
         soon,
         "the relay standing by takes the partition of one that stops, at once",
         || async {
-            let s = shares(&db);
+            let s = support::partitions_per_owner(&db);
             s.len() == 2
                 && s.values().all(|&n| n == 1)
                 && s.keys().any(|pid| !first_two.contains(pid))
@@ -917,7 +908,7 @@ async fn relays_move_the_shares_at_once_when_one_joins_or_stops() {
         soon,
         "the relay left takes the partition of the next that stops, at once",
         || async {
-            let s = shares(&db);
+            let s = support::partitions_per_owner(&db);
             s.len() == 1 && s.iter().all(|(pid, &n)| n == 2 && !first_two.contains(pid))
         },
     )

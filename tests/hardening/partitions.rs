@@ -2,15 +2,6 @@
 
 use super::*;
 
-/// Partitions per owner pid.
-fn owners_per_pid(db: &TestDb) -> HashMap<i32, usize> {
-    let mut per_pid: HashMap<i32, usize> = HashMap::new();
-    for (_, pid) in support::partition_owners(db) {
-        *per_pid.entry(pid).or_default() += 1;
-    }
-    per_pid
-}
-
 // 2. Relays running as different roles, with only the README's GRANTs: each sees the other in
 // `pg_locks` (another role's `pg_stat_activity.backend_start` is NULL to it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -30,14 +21,14 @@ async fn relays_running_as_different_roles_share_the_partitions() {
         Duration::from_secs(20),
         "4 partitions spread 2 and 2 over the two roles' relays",
         || async {
-            let per_pid = owners_per_pid(&db);
+            let per_pid = support::partitions_per_owner(&db);
             per_pid.len() == 2 && per_pid.values().all(|&n| n == 2)
         },
     )
     .await;
     // and they stay shared: no relay loops on a failing balance and drops its partitions
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let per_pid = owners_per_pid(&db);
+    let per_pid = support::partitions_per_owner(&db);
     assert!(
         per_pid.len() == 2 && per_pid.values().all(|&n| n == 2),
         "{per_pid:?}"
@@ -70,7 +61,7 @@ async fn two_relays_share_the_largest_partition_count() {
         Duration::from_secs(60),
         "1,024 partitions spread 512 and 512",
         || async {
-            let per_pid = owners_per_pid(&db);
+            let per_pid = support::partitions_per_owner(&db);
             per_pid.len() == 2 && per_pid.values().all(|&n| n == 512)
         },
     )

@@ -579,3 +579,12 @@ pub fn partition_owners(db: &TestDb) -> Vec<(i32, i32)> {
     .expect("partition owners");
     rows.into_iter().map(|o| (o.partition, o.pid)).collect()
 }
+
+/// How many partitions of the outbox in `db` each relay session owns, by its backend pid.
+pub fn partitions_per_owner(db: &TestDb) -> std::collections::HashMap<i32, usize> {
+    let mut per_pid = std::collections::HashMap::new();
+    for (_, pid) in partition_owners(db) {
+        *per_pid.entry(pid).or_default() += 1;
+    }
+    per_pid
+}
