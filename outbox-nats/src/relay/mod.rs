@@ -424,16 +424,27 @@ pub(crate) async fn idle(
 
 /// Waits until `deadline`, a notification on a channel this session listens on (none comes
 /// when it listens on none), or shutdown; returns the notification that woke it, if one did.
+/// A connection that failed ends its notifications: then it waits for the deadline, and the
+/// session's next statement reports the failure.
 pub(crate) async fn sleep_or_notified(
     conn: &mut AsyncPgConnection,
     shutdown: &CancellationToken,
     deadline: std::time::Instant,
 ) -> Option<PgNotification> {
+    let sleep = tokio::time::sleep_until(deadline.into());
+    let mut sleep = std::pin::pin!(sleep);
     let mut notes = std::pin::pin!(conn.notifications_stream());
-    tokio::select! {
-        _ = tokio::time::sleep_until(deadline.into()) => None,
-        note = notes.next() => note.and_then(Result::ok),
-        _ = shutdown.cancelled() => None,
+    let mut open = true;
+    loop {
+        tokio::select! {
+            _ = &mut sleep => return None,
+            note = notes.next(), if open => match note {
+                Some(Ok(note)) => return Some(note),
+                Some(Err(_)) => {}
+                None => open = false,
+            },
+            _ = shutdown.cancelled() => return None,
+        }
     }
 }
 

@@ -136,8 +136,8 @@ impl OrderedRelay {
             queue: Vec::new(),
         };
         while !self.shutdown.is_cancelled() {
-            // the notifications that came while this relay worked: taken before its next
-            // read, so that a writer's says nothing that read does not see
+            // the notifications that came while this relay worked, taken before its next
+            // read: that read sees every commit a writer's notification announced
             if peers.moved(conn) {
                 next_balance = Instant::now();
             }
@@ -168,10 +168,13 @@ impl OrderedRelay {
                     };
             }
             if owned.is_empty() {
-                if let Some(note) = sleep_or_notified(conn, &self.shutdown, next_balance).await
-                    && peers.is_peer(&note)
-                {
-                    next_balance = Instant::now();
+                // standing by: until the next look, or another relay says the shares moved
+                // (a writer's notification is for the owners)
+                while let Some(note) = sleep_or_notified(conn, &self.shutdown, next_balance).await {
+                    if peers.is_peer(&note) {
+                        next_balance = Instant::now();
+                        break;
+                    }
                 }
                 continue;
             }
