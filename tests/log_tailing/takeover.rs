@@ -182,3 +182,69 @@ async fn ten_kills_during_twenty_thousand_events_deliver_each_exactly_once_in_co
     drop(current);
     assert_stream_holds(&stream, &ledger).await;
 }
+
+/// A reader that stops cleanly tells the relays standing by (`NOTIFY` on the table's members'
+/// channel), and one takes the slot at once, not at its next look. In-process relays: the
+/// CLI does not set the look's interval, here 20 s.
+#[tokio::test]
+async fn a_standby_takes_the_slot_at_once_when_the_reader_stops() {
+    type InProcessRelay = support::task::Running<outbox_nats::RelayError>;
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let slot = Slot::new(&db);
+    let relay = || async {
+        let mut config = outbox_nats::RelayConfig::new(db.url.clone())
+            .stream(stream.name.clone())
+            .subject_prefix(stream.prefix.clone())
+            .poll_interval(Duration::from_millis(20))
+            .startup_timeout(Duration::from_secs(10))
+            .lease(Duration::from_secs(60));
+        config.mode = outbox_nats::LogTailing::default()
+            .slot(slot.name.clone())
+            .into();
+        config.standby_interval = Duration::from_secs(20);
+        let nats = async_nats::connect(&stream.nats_url)
+            .await
+            .expect("connect to NATS");
+        let relay = outbox_nats::Relay::new(config, nats);
+        InProcessRelay::spawn("relay", move |shutdown| relay.run(shutdown))
+    };
+    let sessions = "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'outbox-relay' \
+                    AND backend_type = 'client backend' AND datname = current_database()";
+    let a = relay().await;
+    let reader_a = wait_reader(&db, &slot).await;
+    let before = db.scalar(sessions);
+    let b = relay().await;
+    wait_until(Duration::from_secs(30), "b connected", || async {
+        db.scalar(sessions) > before
+    })
+    .await;
+    // past b's first look at the slot: its next is 20 s away
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(slot.reader(&db), Some(reader_a), "a keeps the slot");
+
+    a.stop().await;
+    wait_until(
+        Duration::from_secs(5),
+        "the relay standing by reads the slot at once",
+        || async { slot.reader(&db).is_some_and(|r| r != reader_a) && slot.streaming(&db) },
+    )
+    .await;
+    let mut conn = db.conn();
+    let mut expected = Vec::new();
+    for n in 0..20 {
+        expected.push(
+            conn.transaction(|c| c.record_event(&changed("H", n)))
+                .expect("commit")
+                .to_string(),
+        );
+    }
+    wait_count(&stream, 20, Duration::from_secs(30)).await;
+    b.stop().await;
+    let got: Vec<String> = stream
+        .read_all()
+        .await
+        .into_iter()
+        .map(|m| m.msg_id)
+        .collect();
+    assert_eq!(got, expected);
+}

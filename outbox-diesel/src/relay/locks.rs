@@ -277,8 +277,9 @@ pub async fn members(
     .await
 }
 
-/// The channel on which the relays of `table` tell each other that the partitions' shares
-/// moved: one joined, or released partitions ([`notify_members`]). It is
+/// The channel on which the relays of `table` tell each other that the work moved: an
+/// ordered relay joined or released partitions, a log-tailing reader let go of its slot
+/// ([`notify_members`]). It is
 /// `outbox_relays_<table OID>`, which fits any table name in PostgreSQL's 63-byte channel
 /// names. An error when the table does not exist.
 pub async fn members_channel(
@@ -291,6 +292,12 @@ pub async fn members_channel(
 /// `LISTEN` on `channel` (a [`members_channel`]), for the other relays' [`notify_members`].
 pub async fn listen_members(conn: &mut AsyncPgConnection, channel: &str) -> QueryResult<()> {
     super::session::listen_on(conn, channel).await
+}
+
+/// `UNLISTEN` on `channel` (a [`members_channel`]): a session that no longer waits for the
+/// other relays' word (a log-tailing relay that took its slot).
+pub async fn unlisten_members(conn: &mut AsyncPgConnection, channel: &str) -> QueryResult<()> {
+    super::session::unlisten_on(conn, channel).await
 }
 
 /// Tells the other relays of a table that the shares moved, with `NOTIFY` on its

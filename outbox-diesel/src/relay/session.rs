@@ -99,6 +99,12 @@ pub(crate) async fn listen_on(conn: &mut AsyncPgConnection, channel: &str) -> Qu
         .await
 }
 
+/// `UNLISTEN` on `channel`, quoted as an identifier.
+pub(crate) async fn unlisten_on(conn: &mut AsyncPgConnection, channel: &str) -> QueryResult<()> {
+    conn.batch_execute(&format!("UNLISTEN \"{}\"", channel.replace('"', "\"\"")))
+        .await
+}
+
 /// This session's backend process id (`pg_backend_pid()`), as `pg_locks` and
 /// `pg_stat_activity` show it.
 pub async fn backend_pid(conn: &mut AsyncPgConnection) -> QueryResult<i32> {

@@ -34,14 +34,14 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use async_nats::jetstream;
-use diesel::pg::PgNotification;
 use diesel_async::AsyncPgConnection;
-use futures_util::{FutureExt, StreamExt};
 use outbox_diesel::relay::{self as db, OutboxRow, Partition};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use super::{Backoff, Health, Session, SessionEnd, idle, reconnecting, settle, sleep_or_notified};
+use super::{
+    Backoff, Health, Peers, Session, SessionEnd, idle, reconnecting, settle, sleep_or_notified,
+};
 use crate::RelayConfig;
 use crate::lease::Lease;
 use crate::metrics as m;
@@ -499,50 +499,6 @@ impl OrderedRelay {
             info!(partitions = ?victims, owned = owned.len(), "partitions released to balance with other relays");
         }
         Ok(())
-    }
-}
-
-/// The other relays of the table as this session hears them: each tells the others with
-/// `NOTIFY` on the table's members' channel when it joins or releases partitions, so that the
-/// shares move at once rather than at the next look (`standby_interval`, 1 s by default).
-struct Peers {
-    channel: String,
-    /// This session's backend pid: a session hears its own notifications too.
-    me: i32,
-}
-
-impl Peers {
-    /// Listens on `table`'s members' channel.
-    async fn listen(
-        conn: &mut AsyncPgConnection,
-        table: &outbox_diesel::OutboxTable,
-        me: i32,
-    ) -> diesel::QueryResult<Self> {
-        let channel = db::members_channel(conn, table).await?;
-        db::listen_members(conn, &channel).await?;
-        Ok(Peers { channel, me })
-    }
-
-    /// Tells the other relays that the shares moved (`what`: joined, released).
-    async fn tell(&self, conn: &mut AsyncPgConnection, what: &str) -> diesel::QueryResult<()> {
-        db::notify_members(conn, &self.channel, what).await
-    }
-
-    /// Whether `note` is another relay's word that the shares moved.
-    fn is_peer(&self, note: &PgNotification) -> bool {
-        note.channel == self.channel && note.process_id != self.me
-    }
-
-    /// Takes the notifications this session has received and not yet taken, without
-    /// waiting (writers' too: the read that follows sees what they announce); whether
-    /// another relay's is among them.
-    fn moved(&self, conn: &mut AsyncPgConnection) -> bool {
-        let mut notes = std::pin::pin!(conn.notifications_stream());
-        let mut moved = false;
-        while let Some(Some(note)) = notes.next().now_or_never() {
-            moved |= note.is_ok_and(|n| self.is_peer(&n));
-        }
-        moved
     }
 }
 

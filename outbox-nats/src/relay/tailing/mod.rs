@@ -5,7 +5,8 @@
 //! One reader per slot: the reader holds the session advisory lock
 //! `(outbox_diesel::relay::SLOT_LOCK_KEY, hashtext(slot))`, a key apart from the ordered mode's
 //! partition locks (which use the table's OID). Other relays in this mode stand by, trying the
-//! lock every `standby_interval`; PostgreSQL releases it when the reader's connection drops,
+//! lock every `standby_interval`, and at once when a reader that stops cleanly says it let go
+//! (`NOTIFY` on the table's members' channel); PostgreSQL releases it when the reader's connection drops,
 //! and ends a silent reader's session after the lease (see `lease.rs`), so a paused reader is
 //! replaced and, having no recent answer from its session, publishes nothing when it wakes.
 //!
@@ -45,7 +46,7 @@ use uuid::Uuid;
 mod first_start;
 
 use super::window::Window;
-use super::{Backoff, Health, Session, SessionEnd, reconnecting};
+use super::{Backoff, Health, Peers, Session, SessionEnd, reconnecting, sleep_or_notified};
 use crate::RelayConfig;
 use crate::lease::Lease;
 use crate::metrics as m;
@@ -134,7 +135,11 @@ impl TailingRelay {
         let slot = self.mode.slot_name(&cfg.table);
         let lease = Lease::new(cfg.lease);
         lease.configure(conn).await?;
-        // stand by until this session holds the slot's lock
+        // stand by until this session holds the slot's lock, looking again at the reader's
+        // word that it let go (a clean stop), or every `standby_interval` (a reader whose
+        // session ended says nothing)
+        let me = outbox_diesel::relay::backend_pid(conn).await?;
+        let peers = Peers::listen(conn, &cfg.table, me).await?;
         let mut announced = false;
         loop {
             if self.shutdown.is_cancelled() {
@@ -150,11 +155,14 @@ impl TailingRelay {
                 info!(slot = %slot, "another relay reads the slot; standing by");
                 announced = true;
             }
-            tokio::select! {
-                _ = tokio::time::sleep(cfg.standby_interval) => {}
-                _ = self.shutdown.cancelled() => return Ok(()),
+            let next_look = Instant::now() + cfg.standby_interval;
+            while let Some(note) = sleep_or_notified(conn, &self.shutdown, next_look).await {
+                if peers.is_peer(&note) {
+                    break;
+                }
             }
         }
+        peers.unlisten(conn).await?;
         let mut reader = WalReader::new(
             cfg.table.clone(),
             slot.clone(),
@@ -182,6 +190,7 @@ impl TailingRelay {
             // a clean stop: confirm what was acked and hand the slot over at once
             reader.close(conn).await?;
             AdvisoryLock::Slot(&slot).unlock(conn).await?;
+            peers.tell(conn, "released").await?;
             info!(slot = %slot, "slot released");
         }
         result
