@@ -8,29 +8,51 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use crate::OutboxTable;
 
-#[derive(Debug)]
-struct MarkPublished<'a> {
-    table: &'a OutboxTable,
-    seqs: &'a [i64],
+/// What a statement does to the rows JetStream acked.
+#[derive(Debug, Clone, Copy)]
+enum Acked {
+    Mark,
+    Delete,
 }
 
-impl QueryId for MarkPublished<'_> {
+/// The statement of [`mark_published`] or [`delete_acked`], which Diesel prepares once per
+/// session and runs on its cached statement (a statement of `sql_query` is never cached: it
+/// was prepared and planned again at every batch).
+#[derive(Debug)]
+struct OnAcked<'a> {
+    table: &'a OutboxTable,
+    seqs: &'a [i64],
+    what: Acked,
+}
+
+impl QueryId for OnAcked<'_> {
     type QueryId = ();
     const HAS_STATIC_QUERY_ID: bool = false;
 }
 
-impl QueryFragment<Pg> for MarkPublished<'_> {
+impl QueryFragment<Pg> for OnAcked<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        out.push_sql("UPDATE ");
-        self.table.walk_ast(&mut out)?;
-        out.push_sql(" SET published_at = now() WHERE seq = ANY(");
-        out.push_bind_param::<Array<BigInt>, _>(self.seqs)?;
-        out.push_sql(") AND published_at IS NULL");
+        match self.what {
+            Acked::Mark => {
+                out.push_sql("UPDATE ");
+                self.table.walk_ast(&mut out)?;
+                out.push_sql(" SET published_at = now() WHERE seq = ANY(");
+                out.push_bind_param::<Array<BigInt>, _>(self.seqs)?;
+                out.push_sql(") AND published_at IS NULL");
+            }
+            Acked::Delete => {
+                out.push_sql("DELETE FROM ");
+                self.table.walk_ast(&mut out)?;
+                out.push_sql(" WHERE seq = ANY(");
+                out.push_bind_param::<Array<BigInt>, _>(self.seqs)?;
+                out.push_sql(")");
+            }
+        }
         Ok(())
     }
 }
 
-impl<Conn> diesel::RunQueryDsl<Conn> for MarkPublished<'_> {}
+impl<Conn> diesel::RunQueryDsl<Conn> for OnAcked<'_> {}
 
 /// Sets `published_at` on the rows `seqs` (those JetStream acked); returns how many it marked.
 /// Traced as the span `outbox.mark`.
@@ -43,7 +65,13 @@ pub async fn mark_published(
     if seqs.is_empty() {
         return Ok(0);
     }
-    MarkPublished { table, seqs }.execute(conn).await
+    OnAcked {
+        table,
+        seqs,
+        what: Acked::Mark,
+    }
+    .execute(conn)
+    .await
 }
 
 /// Deletes the rows `seqs` (those JetStream acked) instead of marking them: for a relay that
@@ -59,11 +87,11 @@ pub async fn delete_acked(
     if seqs.is_empty() {
         return Ok(0);
     }
-    diesel::sql_query(format!(
-        "DELETE FROM {} WHERE seq = ANY($1)",
-        table.quoted()
-    ))
-    .bind::<Array<BigInt>, _>(seqs)
+    OnAcked {
+        table,
+        seqs,
+        what: Acked::Delete,
+    }
     .execute(conn)
     .await
 }

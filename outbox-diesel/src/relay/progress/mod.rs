@@ -41,6 +41,8 @@
 //! by a lock commit in `seq` order, and the first is seen by every snapshot that sees the
 //! second: the first is read in the same batch (rows go out in `seq` order) or an earlier one.
 
+use diesel::pg::Pg;
+use diesel::query_builder::{AstPass, QueryFragment, QueryId};
 use diesel::sql_types::{Array, BigInt, Integer, Nullable, Text};
 use diesel::{QueryResult, QueryableByName};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
@@ -327,8 +329,53 @@ async fn lock_progress(conn: &mut AsyncPgConnection, quoted: &str) -> QueryResul
     .map(drop)
 }
 
+/// The `INSERT` of [`record_progress`], which Diesel prepares once per session and runs on its
+/// cached statement (a statement of `sql_query` is never cached: it was prepared and planned
+/// again at every batch).
+struct RecordProgress<'a> {
+    table: String,
+    counts: &'a [i32],
+    indexes: &'a [i32],
+    seqs: &'a [i64],
+    snaps: &'a [&'a str],
+    late_seqs: &'a [Option<i64>],
+    late_snaps: &'a [Option<&'a str>],
+}
+
+impl QueryId for RecordProgress<'_> {
+    type QueryId = ();
+    const HAS_STATIC_QUERY_ID: bool = false;
+}
+
+impl QueryFragment<Pg> for RecordProgress<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql("INSERT INTO ");
+        out.push_sql(&self.table);
+        out.push_sql(
+            " (partitions, partition, upto_seq, snap, late_after_seq, late_snap) \
+             SELECT n, i, s, x::pg_snapshot, ls, lx::pg_snapshot FROM unnest(",
+        );
+        out.push_bind_param::<Array<Integer>, _>(self.counts)?;
+        out.push_sql("::int[], ");
+        out.push_bind_param::<Array<Integer>, _>(self.indexes)?;
+        out.push_sql("::int[], ");
+        out.push_bind_param::<Array<BigInt>, _>(self.seqs)?;
+        out.push_sql("::bigint[], ");
+        out.push_bind_param::<Array<Text>, _>(self.snaps)?;
+        out.push_sql("::text[], ");
+        out.push_bind_param::<Array<Nullable<BigInt>>, _>(self.late_seqs)?;
+        out.push_sql("::bigint[], ");
+        out.push_bind_param::<Array<Nullable<Text>>, _>(self.late_snaps)?;
+        out.push_sql("::text[]) AS u(n, i, s, x, ls, lx)");
+        Ok(())
+    }
+}
+
+impl<Conn> diesel::RunQueryDsl<Conn> for RecordProgress<'_> {}
+
 /// Records the cursors of a batch, one row per partition, each with its late pass; the last one
-/// of a partition is where its next owner goes on from. Traced as the span `outbox.mark`.
+/// of a partition is where its next owner goes on from. One statement, prepared once per
+/// session. Traced as the span `outbox.mark`.
 #[tracing::instrument(name = "outbox.mark", level = "debug", skip_all, fields(outbox.table = %table, outbox.partitions = cursors.len()))]
 pub async fn record_progress(
     conn: &mut AsyncPgConnection,
@@ -344,19 +391,15 @@ pub async fn record_progress(
     let snaps: Vec<&str> = cursors.iter().map(|(_, c)| c.snap.as_str()).collect();
     let late_seqs: Vec<Option<i64>> = cursors.iter().map(|(_, c)| c.late_after_seq()).collect();
     let late_snaps: Vec<Option<&str>> = cursors.iter().map(|(_, c)| c.late_snap()).collect();
-    diesel::sql_query(format!(
-        "INSERT INTO {} (partitions, partition, upto_seq, snap, late_after_seq, late_snap) \
-         SELECT n, i, s, x::pg_snapshot, ls, lx::pg_snapshot \
-         FROM unnest($1::int[], $2::int[], $3::bigint[], $4::text[], $5::bigint[], $6::text[]) \
-         AS u(n, i, s, x, ls, lx)",
-        progress_table(table)
-    ))
-    .bind::<Array<Integer>, _>(counts)
-    .bind::<Array<Integer>, _>(indexes)
-    .bind::<Array<BigInt>, _>(seqs)
-    .bind::<Array<Text>, _>(snaps)
-    .bind::<Array<Nullable<BigInt>>, _>(late_seqs)
-    .bind::<Array<Nullable<Text>>, _>(late_snaps)
+    RecordProgress {
+        table: progress_table(table),
+        counts: &counts,
+        indexes: &indexes,
+        seqs: &seqs,
+        snaps: &snaps,
+        late_seqs: &late_seqs,
+        late_snaps: &late_snaps,
+    }
     .execute(conn)
     .await
     .map(drop)
