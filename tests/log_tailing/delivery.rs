@@ -31,12 +31,7 @@ async fn interleaved_transactions_arrive_in_commit_order_not_seq_order() {
     assert!(seq(&t1_ids[0]) < seq(&t2_id), "T1 inserted first");
 
     wait_count(&stream, 4, Duration::from_secs(30)).await;
-    let got: Vec<String> = stream
-        .read_all()
-        .await
-        .into_iter()
-        .map(|m| m.msg_id)
-        .collect();
+    let got = stream_ids(&stream).await;
     let commit_order = [t2_id, t1_ids[0], t1_ids[1], t3_id].map(|id| id.to_string());
     assert_eq!(got, commit_order, "commit order, not seq order");
 }

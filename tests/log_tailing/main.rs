@@ -53,6 +53,27 @@ async fn wait_count(stream: &TestStream, n: u64, timeout: Duration) {
     .await;
 }
 
+/// Records one `changed(account, n)` event per transaction for each `n`; their ids, in commit
+/// order.
+fn record_each(conn: &mut PgConnection, account: &str, ns: std::ops::Range<i64>) -> Vec<String> {
+    ns.map(|n| {
+        conn.transaction(|c| c.record_event(&changed(account, n)))
+            .expect("commit")
+            .to_string()
+    })
+    .collect()
+}
+
+/// The message ids in the stream, in stream order.
+async fn stream_ids(stream: &TestStream) -> Vec<String> {
+    stream
+        .read_all()
+        .await
+        .into_iter()
+        .map(|m| m.msg_id)
+        .collect()
+}
+
 /// Every message once, and per aggregate in `expected` order.
 fn assert_exactly_once_in_order(
     got: &[support::Received],

@@ -177,12 +177,7 @@ async fn a_poison_event_is_parked_passed_over_and_published_again_on_retry() {
         1,
         "the poison event is parked in the table"
     );
-    let got: Vec<String> = stream
-        .read_all()
-        .await
-        .into_iter()
-        .map(|m| m.msg_id)
-        .collect();
+    let got = stream_ids(&stream).await;
     assert_eq!(got, expected, "the log passed over it");
 
     let cli = |args: &[&str]| {

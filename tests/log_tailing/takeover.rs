@@ -67,32 +67,15 @@ async fn standby_takes_over_when_the_active_reader_dies() {
 
     let mut conn = db.conn();
     let mut expected: Vec<String> = Vec::new();
-    for n in 0..50 {
-        expected.push(
-            conn.transaction(|c| c.record_event(&changed("S", n)))
-                .expect("commit")
-                .to_string(),
-        );
-    }
+    expected.extend(record_each(&mut conn, "S", 0..50));
     wait_count(&stream, 50, Duration::from_secs(30)).await;
 
     a.kill();
-    for n in 50..100 {
-        expected.push(
-            conn.transaction(|c| c.record_event(&changed("S", n)))
-                .expect("commit")
-                .to_string(),
-        );
-    }
+    expected.extend(record_each(&mut conn, "S", 50..100));
     wait_count(&stream, 100, Duration::from_secs(30)).await;
     let reader_b = slot.reader(&db).expect("b reads the slot");
     assert_ne!(reader_b, reader_a, "the standby took over");
-    let got: Vec<String> = stream
-        .read_all()
-        .await
-        .into_iter()
-        .map(|m| m.msg_id)
-        .collect();
+    let got = stream_ids(&stream).await;
     assert_eq!(got, expected, "every event once, in commit order");
 }
 
@@ -109,13 +92,7 @@ async fn a_paused_reader_is_replaced_and_does_not_publish_after_it_wakes() {
     a.signal("STOP");
     let mut conn = db.conn();
     let mut expected = Vec::new();
-    for n in 0..20 {
-        expected.push(
-            conn.transaction(|c| c.record_event(&changed("P", n)))
-                .expect("commit")
-                .to_string(),
-        );
-    }
+    expected.extend(record_each(&mut conn, "P", 0..20));
     // PostgreSQL ends a's silent session after the lease; b takes the slot
     wait_count(&stream, 20, Duration::from_secs(30)).await;
     let reader_b = slot.reader(&db).expect("b reads");
@@ -123,25 +100,14 @@ async fn a_paused_reader_is_replaced_and_does_not_publish_after_it_wakes() {
 
     a.signal("CONT");
     tokio::time::sleep(Duration::from_secs(1)).await;
-    for n in 20..40 {
-        expected.push(
-            conn.transaction(|c| c.record_event(&changed("P", n)))
-                .expect("commit")
-                .to_string(),
-        );
-    }
+    expected.extend(record_each(&mut conn, "P", 20..40));
     wait_count(&stream, 40, Duration::from_secs(30)).await;
     assert_eq!(
         slot.reader(&db),
         Some(reader_b),
         "b keeps the slot after a wakes"
     );
-    let got: Vec<String> = stream
-        .read_all()
-        .await
-        .into_iter()
-        .map(|m| m.msg_id)
-        .collect();
+    let got = stream_ids(&stream).await;
     assert_eq!(got, expected);
 }
 
@@ -231,20 +197,9 @@ async fn a_standby_takes_the_slot_at_once_when_the_reader_stops() {
     .await;
     let mut conn = db.conn();
     let mut expected = Vec::new();
-    for n in 0..20 {
-        expected.push(
-            conn.transaction(|c| c.record_event(&changed("H", n)))
-                .expect("commit")
-                .to_string(),
-        );
-    }
+    expected.extend(record_each(&mut conn, "H", 0..20));
     wait_count(&stream, 20, Duration::from_secs(30)).await;
     b.stop().await;
-    let got: Vec<String> = stream
-        .read_all()
-        .await
-        .into_iter()
-        .map(|m| m.msg_id)
-        .collect();
+    let got = stream_ids(&stream).await;
     assert_eq!(got, expected);
 }
