@@ -487,7 +487,7 @@ impl Peers {
         db::notify_members(conn, &self.channel, what).await
     }
 
-    /// Whether `note` is another relay's word that the shares moved.
+    /// Whether `note` is another relay's word that the work moved.
     pub(crate) fn is_peer(&self, note: &PgNotification) -> bool {
         note.channel == self.channel && note.process_id != self.me
     }

@@ -6,9 +6,10 @@
 //! `(outbox_diesel::relay::SLOT_LOCK_KEY, hashtext(slot))`, a key apart from the ordered mode's
 //! partition locks (which use the table's OID). Other relays in this mode stand by, trying the
 //! lock every `standby_interval`, and at once when a reader that stops cleanly says it let go
-//! (`NOTIFY` on the table's members' channel); PostgreSQL releases it when the reader's connection drops,
-//! and ends a silent reader's session after the lease (see `lease.rs`), so a paused reader is
-//! replaced and, having no recent answer from its session, publishes nothing when it wakes.
+//! (`NOTIFY` on the table's members' channel). PostgreSQL releases the lock when the reader's
+//! connection drops, and ends a silent reader's session after the lease (see `lease.rs`), so a
+//! paused reader is replaced and, having no recent answer from its session, publishes nothing
+//! when it wakes.
 //!
 //! A crash can only repeat, never skip: the slot's confirmed position moves only to the end
 //! of a transaction whose events, and every earlier transaction's, JetStream acked. The next
