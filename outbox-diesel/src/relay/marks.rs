@@ -32,21 +32,19 @@ impl QueryId for OnAcked<'_> {
 
 impl QueryFragment<Pg> for OnAcked<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        match self.what {
-            Acked::Mark => {
-                out.push_sql("UPDATE ");
-                self.table.walk_ast(&mut out)?;
-                out.push_sql(" SET published_at = now() WHERE seq = ANY(");
-                out.push_bind_param::<Array<BigInt>, _>(self.seqs)?;
-                out.push_sql(") AND published_at IS NULL");
-            }
-            Acked::Delete => {
-                out.push_sql("DELETE FROM ");
-                self.table.walk_ast(&mut out)?;
-                out.push_sql(" WHERE seq = ANY(");
-                out.push_bind_param::<Array<BigInt>, _>(self.seqs)?;
-                out.push_sql(")");
-            }
+        out.push_sql(match self.what {
+            Acked::Mark => "UPDATE ",
+            Acked::Delete => "DELETE FROM ",
+        });
+        self.table.walk_ast(&mut out)?;
+        if let Acked::Mark = self.what {
+            out.push_sql(" SET published_at = now()");
+        }
+        out.push_sql(" WHERE seq = ANY(");
+        out.push_bind_param::<Array<BigInt>, _>(self.seqs)?;
+        out.push_sql(")");
+        if let Acked::Mark = self.what {
+            out.push_sql(" AND published_at IS NULL");
         }
         Ok(())
     }
