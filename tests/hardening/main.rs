@@ -8,6 +8,7 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+mod idle;
 mod late_rows;
 mod names;
 mod operations;

@@ -100,3 +100,34 @@ fn a_partition_count_above_the_largest_is_refused_at_start() {
         "{stderr}"
     );
 }
+
+// 52. A relay that stops tells the others its partitions are free (`NOTIFY`), and they look
+// at the shares at once; its membership lasted until its session ended, after the notice, so
+// a look in between still counted it and left the partitions for the relay's next look (1 s;
+// 20 s in `relays_move_the_shares_at_once_when_one_joins_or_stops`, which met it on a busy
+// machine). A relay now leaves the members before it tells.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_that_leaves_the_members_is_not_counted_while_its_session_lives() {
+    use outbox_diesel::relay::{backend_pid, join_members, leave_members, members};
+    let db = TestDb::new();
+    let table = outbox_diesel::OutboxTable::DEFAULT;
+    let (mut a, mut b) = (db.relay_session().await, db.relay_session().await);
+    let pid_a = backend_pid(&mut a).await.expect("pid");
+    let ticket = join_members(&mut a, &table, 4).await.expect("a joins");
+    join_members(&mut b, &table, 4).await.expect("b joins");
+    let pids = |m: Vec<outbox_diesel::relay::Member>| m.iter().map(|m| m.pid).collect::<Vec<_>>();
+    let both = pids(members(&mut b, &table).await.expect("members"));
+    assert_eq!(both.len(), 2, "{both:?}");
+    assert_eq!(both[0], pid_a, "{both:?}");
+    leave_members(&mut a, &table, 4, ticket)
+        .await
+        .expect("a leaves");
+    let left = pids(members(&mut b, &table).await.expect("members"));
+    assert!(left.len() == 1 && !left.contains(&pid_a), "{left:?}");
+    // and it may join again, last
+    join_members(&mut a, &table, 4)
+        .await
+        .expect("a joins again");
+    let again = pids(members(&mut b, &table).await.expect("members"));
+    assert_eq!(again.last(), Some(&pid_a), "{again:?}");
+}

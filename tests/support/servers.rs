@@ -229,7 +229,13 @@ fn as_postgres(bin: &str) -> Command {
 
 impl PgCluster {
     pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// A cluster started with `settings` (`name=value`), e.g. a library to preload.
+    pub fn start_with(settings: &[&str]) -> Self {
         let mut c = Self::init();
+        c.settings.extend(settings.iter().map(|s| s.to_string()));
         c.restart();
         c
     }

@@ -255,24 +255,49 @@ pub async fn join_members(
     ))
 }
 
+/// Takes this session out of the relays of `table` ([`join_members`] returned its `ticket`):
+/// releases its ticket and its partition-count lock, so that [`members`] no longer counts it
+/// while its session lives on. A relay that stops leaves before it tells the others that its
+/// partitions are free, so that their look at the shares, at once, counts it gone.
+pub async fn leave_members(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    partitions: u32,
+    ticket: i64,
+) -> QueryResult<()> {
+    diesel::sql_query("SELECT pg_advisory_unlock((to_regclass($1)::oid::bigint << 32) | $2)")
+        .bind::<Text, _>(table.quoted())
+        .bind::<BigInt, _>(ticket)
+        .execute(conn)
+        .await?;
+    AdvisoryLock::PartitionCount(table, partitions)
+        .unlock(conn)
+        .await
+        .map(drop)
+}
+
 /// The relays of `table` alive now (see [`join_members`]), in the order they joined.
 pub async fn members(
     conn: &mut AsyncPgConnection,
     table: &OutboxTable,
 ) -> QueryResult<Vec<Member>> {
-    diesel::sql_query(
-        "SELECT t.pid, (c.objid::bigint - 2147483648)::int AS partitions, \
-         t.objid::bigint AS joined, a.backend_start \
-         FROM pg_locks t JOIN pg_locks c ON c.pid = t.pid AND c.locktype = 'advisory' \
-         AND c.granted AND c.objsubid = 1 AND c.database = t.database AND c.classid = t.classid \
-         AND c.objid::bigint >= 2147483648 \
-         LEFT JOIN pg_stat_activity a ON a.pid = t.pid \
-         WHERE t.locktype = 'advisory' AND t.granted AND t.objsubid = 1 \
-         AND t.objid::bigint < 2147483648 \
-         AND t.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
-         AND t.classid = to_regclass($1)::oid ORDER BY t.objid::bigint, t.pid",
-    )
-    .bind::<Text, _>(table.quoted())
+    // once a second per relay: prepared once per session
+    super::prepared::Prepared {
+        pieces: &[
+            "SELECT t.pid, (c.objid::bigint - 2147483648)::int AS partitions, \
+             t.objid::bigint AS joined, a.backend_start \
+             FROM pg_locks t JOIN pg_locks c ON c.pid = t.pid AND c.locktype = 'advisory' \
+             AND c.granted AND c.objsubid = 1 AND c.database = t.database \
+             AND c.classid = t.classid AND c.objid::bigint >= 2147483648 \
+             LEFT JOIN pg_stat_activity a ON a.pid = t.pid \
+             WHERE t.locktype = 'advisory' AND t.granted AND t.objsubid = 1 \
+             AND t.objid::bigint < 2147483648 \
+             AND t.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+             AND t.classid = to_regclass(",
+            ")::oid ORDER BY t.objid::bigint, t.pid",
+        ],
+        binds: &[&table.quoted()],
+    }
     .load(conn)
     .await
 }

@@ -28,6 +28,7 @@ mod locks;
 mod marks;
 mod parking;
 mod poll;
+mod prepared;
 mod progress;
 mod rows;
 mod session;

@@ -132,12 +132,15 @@ pub async fn has_partition_index(
     if count < 2 {
         return Ok(false);
     }
-    let found: super::super::Flag = diesel::sql_query(
-        "SELECT EXISTS (SELECT 1 FROM pg_index i WHERE i.indexrelid = to_regclass($1) \
-         AND i.indrelid = to_regclass($2) AND i.indisvalid AND i.indisready) AS flag",
-    )
-    .bind::<Text, _>(crate::partition_index_name(table, count))
-    .bind::<Text, _>(table.quoted())
+    // once a second per relay: prepared once per session
+    let found: super::super::Flag = super::super::prepared::Prepared {
+        pieces: &[
+            "SELECT EXISTS (SELECT 1 FROM pg_index i WHERE i.indexrelid = to_regclass(",
+            ") AND i.indrelid = to_regclass(",
+            ") AND i.indisvalid AND i.indisready) AS flag",
+        ],
+        binds: &[&crate::partition_index_name(table, count), &table.quoted()],
+    }
     .get_result(conn)
     .await?;
     Ok(found.flag == Some(true))
@@ -196,8 +199,45 @@ pub async fn fetch_batches_in(
     limit: i64,
     max_bytes: i64,
 ) -> QueryResult<Vec<(u32, Batch)>> {
+    read_batches_in(
+        conn,
+        table,
+        partitioning,
+        cursors,
+        exclude,
+        limit,
+        max_bytes,
+    )
+    .await
+    .map(|read| read.batches)
+}
+
+/// What one statement of [`fetch_batches_in`] read.
+pub(super) struct Read {
+    /// A batch per partition, in the order of the cursors.
+    pub(super) batches: Vec<(u32, Batch)>,
+    /// The statement's snapshot (none when no statement ran: no cursor).
+    pub(super) snapshot: Option<String>,
+    /// Whether the statement returned any row (held back ones too).
+    pub(super) found: bool,
+}
+
+/// [`fetch_batches_in`], with the statement's snapshot and whether it found anything.
+pub(super) async fn read_batches_in(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    partitioning: Partitioning,
+    cursors: &[(u32, Cursor)],
+    exclude: &[i64],
+    limit: i64,
+    max_bytes: i64,
+) -> QueryResult<Read> {
     if cursors.is_empty() {
-        return Ok(Vec::new());
+        return Ok(Read {
+            batches: Vec::new(),
+            snapshot: None,
+            found: false,
+        });
     }
     let count = partitioning.count;
     let binds = Binds::of(count, cursors, partitioning.indexed);
@@ -211,7 +251,9 @@ pub async fn fetch_batches_in(
         .iter()
         .rposition(|f| f.part == super::statement::SNAPSHOT_PART)
         .map(|i| fetched.swap_remove(i).snap);
-    let snap = snapshot.flatten().filter(|_| !fetched.is_empty());
+    let statement_snapshot = snapshot.flatten();
+    let found = !fetched.is_empty();
+    let snap = statement_snapshot.clone().filter(|_| found);
     // how far the walk went: every row of the walked partitions up to there that `snap` sees
     // (returned, or at or below its own partition's cursor)
     let walked = fetched
@@ -306,7 +348,11 @@ pub async fn fetch_batches_in(
     for (_, batch) in &mut batches {
         batch.rows.sort_by_key(|(r, _)| r.seq);
     }
-    Ok(batches)
+    Ok(Read {
+        batches,
+        snapshot: statement_snapshot,
+        found,
+    })
 }
 
 /// [`fetch_batch`]'s statement run with `EXPLAIN (ANALYZE, BUFFERS)` at `cursor` (with its late

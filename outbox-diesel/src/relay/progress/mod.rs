@@ -53,12 +53,14 @@ use super::Partition;
 
 mod batch;
 mod coverage;
+mod quiet;
 mod retention;
 mod rotation;
 mod statement;
 
 pub use batch::*;
 pub(crate) use coverage::Coverage;
+pub use quiet::*;
 pub use retention::*;
 pub use rotation::*;
 
@@ -201,14 +203,16 @@ async fn progress_with(
     table: &OutboxTable,
     column: &str,
 ) -> QueryResult<bool> {
-    let f: super::Flag = diesel::sql_query(
-        "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) \
-         AND attname = $3 AND NOT attisdropped) AND EXISTS (SELECT 1 FROM pg_attribute \
-         WHERE attrelid = to_regclass($2) AND attname = 'txid' AND NOT attisdropped) AS flag",
-    )
-    .bind::<Text, _>(progress_table(table))
-    .bind::<Text, _>(table.quoted())
-    .bind::<Text, _>(column)
+    let f: super::Flag = super::prepared::Prepared {
+        pieces: &[
+            "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(",
+            ") AND attname = ",
+            " AND NOT attisdropped) AND EXISTS (SELECT 1 FROM pg_attribute \
+             WHERE attrelid = to_regclass(",
+            ") AND attname = 'txid' AND NOT attisdropped) AS flag",
+        ],
+        binds: &[&progress_table(table), column, &table.quoted()],
+    }
     .get_result(conn)
     .await?;
     Ok(f.flag.unwrap_or(false))

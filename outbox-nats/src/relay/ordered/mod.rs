@@ -114,7 +114,7 @@ impl OrderedRelay {
         lease.configure(conn).await?;
         let me = db::backend_pid(conn).await?;
         let peers = Peers::listen(conn, table, me).await?;
-        db::join_members(conn, table, self.mode.partitions).await?;
+        let ticket = db::join_members(conn, table, self.mode.partitions).await?;
         peers.tell(conn, "joined").await?;
         if cfg.listen {
             db::listen(conn, table).await?;
@@ -130,6 +130,8 @@ impl OrderedRelay {
         // the last read that found rows: commits right after it may not have been notified
         let mut found = None;
         let mut lookups = self.reconciler.lookups();
+        // after a read that found nothing, a poll asks whether a transaction ended first
+        let mut reads = db::Reads::default();
         let mut holding = Holding {
             pipe: Pipeline::new(&self.js, cfg, &lease, &self.health, &self.shutdown),
             progress: Progress::default(),
@@ -209,16 +211,17 @@ impl OrderedRelay {
                     })
                     .collect();
                 let exclude = progress.released_in_flight();
-                let batches = db::fetch_batches_in(
-                    conn,
-                    table,
-                    partitioning,
-                    &cursors,
-                    &exclude,
-                    limit,
-                    max_bytes,
-                )
-                .await?;
+                let batches = reads
+                    .fetch(
+                        conn,
+                        table,
+                        partitioning,
+                        &cursors,
+                        &exclude,
+                        limit,
+                        max_bytes,
+                    )
+                    .await?;
                 let mut fetched = Vec::new();
                 for ((p, batch), (_, cursor)) in batches.into_iter().zip(cursors) {
                     if batch.held > 0 {
@@ -308,10 +311,14 @@ impl OrderedRelay {
             if queue.is_empty() {
                 if pipe.is_empty() && progress.is_settled() {
                     self.health.progressed();
-                    if let Some(note) = idle(conn, cfg, &self.shutdown, next_balance, found).await
-                        && peers.is_peer(&note)
-                    {
-                        next_balance = Instant::now();
+                    match idle(conn, cfg, &self.shutdown, next_balance, found).await {
+                        Some(note) if peers.is_peer(&note) => next_balance = Instant::now(),
+                        // a writer's commit, or a read within the linger after rows were
+                        // found (a debounced writer's commits come unnotified): read at once,
+                        // without asking first whether a transaction ended
+                        Some(_) => reads.forget(),
+                        None if found.is_some_and(|f| f.elapsed() < cfg.linger) => reads.forget(),
+                        None => {}
                     }
                 } else {
                     // caught up: let the last acks arrive, record them on the next step
@@ -332,6 +339,9 @@ impl OrderedRelay {
             .unlock(conn)
             .await?;
         }
+        // out of the members first: the others look at the shares as soon as they hear, and
+        // must not count this relay, whose session ends only after
+        db::leave_members(conn, table, self.mode.partitions, ticket).await?;
         if !owned.is_empty() {
             peers.tell(conn, "released").await?;
             info!(partitions = ?owned, "partitions released");
