@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # What the relays' backlog statistics cost PostgreSQL: 1 and then 4 ordered relays
 # (`--partitions 8`) idle on a backlog of parked rows (which they leave alone), and
-# PostgreSQL's CPU time per second while they run, read from /proc (every `postgres` process
-# of the machine: run it on an otherwise idle server). What is left is the relays' statistics
-# readings every `--stats-interval`, each of which reads every unpublished row.
+# PostgreSQL's CPU time per second while they run, read from /proc: every `postgres` process
+# of the machine (run it on an otherwise idle server), and of those the sessions of the
+# script's database alone (the relays'), which other work on the server does not touch. What
+# is left is the relays' statistics readings every `--stats-interval`, each of which reads
+# every unpublished row, and their idle polls and looks at the shares; with `ROWS=0`, what
+# idle relays cost.
 #
 #   cargo build --release --bins
 #   scripts/stats-cost.sh                                  # 1,000,000 rows, 30 s per run
 #   ROWS=200000 SECONDS_PER_RUN=20 RELAYS="1 2 4" scripts/stats-cost.sh
+#   ROWS=0 SECONDS_PER_RUN=20 scripts/stats-cost.sh        # idle relays on an empty table
 #
 # Environment: RELAY (target/release/outbox-relay), PG (postgres://postgres@127.0.0.1:5432, a
 # superuser's URL without a database), ROWS, RELAYS, SECONDS_PER_RUN, INTERVAL (5s). It makes
@@ -51,11 +55,15 @@ nats-server -a 127.0.0.1 -p "$port" -js -sd "$dir/js" > "$dir/nats.log" 2>&1 &
 pids+=($!)
 sleep 1
 
-# CPU time of every postgres process, in clock ticks
+# CPU time of every postgres process, in clock ticks; with an argument, of the sessions of
+# that database only (their process title names it)
 pg_ticks() {
     local total=0 p
     for p in /proc/[0-9]*; do
         [ "$(cat "$p/comm" 2> /dev/null)" = postgres ] || continue
+        if [ $# -gt 0 ]; then
+            tr '\0' ' ' < "$p/cmdline" 2> /dev/null | grep -q " $1 " || continue
+        fi
         # utime and stime: fields 14 and 15, after the command in parentheses
         total=$((total + $(sed 's/.*) //' "$p/stat" 2> /dev/null | awk '{print $12 + $13}' || echo 0)))
     done
@@ -63,7 +71,7 @@ pg_ticks() {
 }
 hz=$(getconf CLK_TCK)
 
-echo "relays  rows  --stats-interval  PostgreSQL CPU ms per second"
+echo "relays  rows  --stats-interval  PostgreSQL CPU ms per second: all; the relays' sessions"
 for k in $RELAYS; do
     relays=()
     for _ in $(seq "$k"); do
@@ -77,12 +85,14 @@ for k in $RELAYS; do
     sleep 10
     t0=$(date +%s.%N)
     c0=$(pg_ticks)
+    s0=$(pg_ticks "$DB")
     sleep "$SECONDS_PER_RUN"
     c1=$(pg_ticks)
+    s1=$(pg_ticks "$DB")
     t1=$(date +%s.%N)
     for p in "${relays[@]}"; do kill -TERM "$p"; done
     for p in "${relays[@]}"; do wait "$p" 2> /dev/null || true; done
-    awk -v k="$k" -v rows="$ROWS" -v i="$INTERVAL" -v c="$((c1 - c0))" -v hz="$hz" \
-        -v t0="$t0" -v t1="$t1" \
-        'BEGIN { printf "%6d  %d  %s  %.1f\n", k, rows, i, c * 1000 / hz / (t1 - t0) }'
+    awk -v k="$k" -v rows="$ROWS" -v i="$INTERVAL" -v c="$((c1 - c0))" -v s="$((s1 - s0))" \
+        -v hz="$hz" -v t0="$t0" -v t1="$t1" \
+        'BEGIN { printf "%6d  %d  %s  %.1f; %.1f\n", k, rows, i, c * 1000 / hz / (t1 - t0), s * 1000 / hz / (t1 - t0) }'
 done
