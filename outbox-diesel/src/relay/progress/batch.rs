@@ -38,6 +38,17 @@ pub struct Batch {
     pub held: usize,
 }
 
+impl Batch {
+    /// A batch with no row, after which the partition's cursor is `next`.
+    pub fn empty(next: Cursor) -> Self {
+        Batch {
+            rows: Vec::new(),
+            next,
+            held: 0,
+        }
+    }
+}
+
 #[derive(QueryableByName)]
 struct Fetched {
     #[diesel(embed)]
@@ -82,11 +93,10 @@ pub async fn fetch_batch(
         max_bytes,
     )
     .await?;
-    Ok(batches.pop().map(|(_, b)| b).unwrap_or(Batch {
-        rows: Vec::new(),
-        next: cursor.clone(),
-        held: 0,
-    }))
+    Ok(batches
+        .pop()
+        .map(|(_, b)| b)
+        .unwrap_or_else(|| Batch::empty(cursor.clone())))
 }
 
 /// The most partitions [`fetch_batches_in`] reads by the partition index in one statement: each
@@ -294,12 +304,7 @@ pub(super) async fn read_batches_in(
             }
             (None, None) => c.clone(),
         };
-        let batch = Batch {
-            rows: Vec::new(),
-            next,
-            held: 0,
-        };
-        batches.push((*p, batch));
+        batches.push((*p, Batch::empty(next)));
     }
     let fetched: Vec<Fetched> = fetched
         .into_iter()

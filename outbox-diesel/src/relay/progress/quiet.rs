@@ -98,14 +98,7 @@ impl Reads {
             self.quiet = Some(quiet);
             return Ok(cursors
                 .iter()
-                .map(|(p, c)| {
-                    let batch = Batch {
-                        rows: Vec::new(),
-                        next: c.clone(),
-                        held: 0,
-                    };
-                    (*p, batch)
-                })
+                .map(|(p, c)| (*p, Batch::empty(c.clone())))
                 .collect());
         }
         let read = read_batches_in(
