@@ -3,33 +3,34 @@
 use super::*;
 use support::servers::PgCluster;
 
-/// How many times the statements whose text starts with `start` ran on `db`'s server so far,
-/// and how many times they were planned (`pg_stat_statements`).
-fn calls_and_plans(db: &TestDb, start: &str) -> (i64, i64) {
+/// How many times the statements matching `pattern` (`LIKE`) ran on `db`'s server so far, and
+/// how many times they were planned (`pg_stat_statements`).
+fn calls_and_plans(db: &TestDb, pattern: &str) -> (i64, i64) {
     let counts = |what: &str| {
         db.scalar(&format!(
             "SELECT COALESCE(sum({what}), 0)::int8 FROM pg_stat_statements \
-             WHERE query LIKE '{start}%'"
+             WHERE query LIKE '{pattern}'"
         ))
     };
     (counts("calls"), counts("plans"))
 }
 
 /// The ordered relay's batch statement.
-const BATCH: &str = "WITH cur AS MATERIALIZED";
-/// The relay's looks at the shares, once a second: the relays of the table, and the partition
-/// index (as `pg_stat_statements` writes them, each constant a `$n`).
+const BATCH: &str = "WITH cur AS MATERIALIZED%";
+/// The unordered workers' claim.
+const CLAIM: &str = "%FOR UPDATE SKIP LOCKED%";
+/// The ordered relay's looks at the shares, once a second: the relays of the table, and the
+/// partition index (as `pg_stat_statements` writes them, each constant a `$n`).
 const LOOKS: [&str; 2] = [
-    "SELECT t.pid, (c.objid::bigint",
-    "SELECT EXISTS (SELECT $% FROM pg_index",
+    "SELECT t.pid, (c.objid::bigint%",
+    "SELECT EXISTS (SELECT $% FROM pg_index%",
 ];
 
-// 51. An idle ordered relay polls every `--poll-interval`. Its poll was the batch statement,
-// whose plan over every partition it owns PostgreSQL starts and runs at each call: about 9 ms
-// of CPU a second for one relay with the default 100 ms. While no transaction ends in the
-// database, nothing new can be read: the poll asks only whether one ended since its last read.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_idle_relay_reads_its_partitions_again_only_after_a_transaction_ended() {
+/// A relay with `args` idles for 3 s (polling every 50 ms) on a cluster of its own: its read
+/// (`read`, a `LIKE` pattern) may run at most 10 times, and with `looks`, each look at the
+/// shares runs on its cached plan. Then a transaction held open through the idle polls
+/// commits, and a writer that does not notify inserts a row: each is published within 2 s.
+async fn idle_relay_reads(args: &[&str], read: &str, looks: &[&str]) {
     let cluster = PgCluster::start_with(&[
         "shared_preload_libraries=pg_stat_statements",
         "pg_stat_statements.track=all",
@@ -39,11 +40,9 @@ async fn an_idle_relay_reads_its_partitions_again_only_after_a_transaction_ended
     db.execute("CREATE EXTENSION pg_stat_statements", "pg_stat_statements");
     let stream = TestStream::new();
     // the backlog figures' reading (a NOTIFY, which ends a transaction) out of the way
-    let relay = Relay::start(relay_command(
-        &db,
-        &stream,
-        &["--partitions", "4", "--stats-interval", "2m"],
-    ));
+    let mut args = args.to_vec();
+    args.extend(["--stats-interval", "2m"]);
+    let relay = Relay::start(relay_command(&db, &stream, &args));
     insert_rows(&db, 10);
     wait_published(&db, 10, Duration::from_secs(30)).await;
     // a writer's transaction in progress through the idle polls
@@ -59,24 +58,23 @@ async fn an_idle_relay_reads_its_partitions_again_only_after_a_transaction_ended
     .expect("insert in the open transaction");
     // the relay's first looks at the shares (every 100 ms while they may move) are over
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let before = calls_and_plans(&db, BATCH).0;
-    let looks_before = LOOKS.map(|l| calls_and_plans(&db, l));
+    let before = calls_and_plans(&db, read).0;
+    let looks_before: Vec<(i64, i64)> = looks.iter().map(|l| calls_and_plans(&db, l)).collect();
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let idle = calls_and_plans(&db, BATCH).0 - before;
-    // 60 polls
+    let idle = calls_and_plans(&db, read).0 - before;
     assert!(
         idle <= 10,
-        "the batch statement ran {idle} times in 3 s of an idle relay polling every 50 ms"
+        "the relay read {idle} times in 3 s of idleness, polling every 50 ms"
     );
     // the looks are prepared once per session, and run on their cached plans
-    for (look, (calls, plans)) in LOOKS.into_iter().zip(looks_before) {
+    for (look, (calls, plans)) in looks.iter().zip(looks_before) {
         let (calls, plans) = {
             let (c, p) = calls_and_plans(&db, look);
             (c - calls, p - plans)
         };
         assert!(
             calls >= 2 && plans == 0,
-            "{look}…: {calls} calls, {plans} plans in 3 s"
+            "{look}: {calls} calls, {plans} plans in 3 s"
         );
     }
     // the open transaction commits: its row is read at the next poll
@@ -88,7 +86,22 @@ async fn an_idle_relay_reads_its_partitions_again_only_after_a_transaction_ended
     tokio::time::sleep(Duration::from_millis(500)).await;
     insert_rows(&db, 1);
     wait_published(&db, 12, Duration::from_secs(2)).await;
-    let msgs = stream.read_all().await;
-    assert_eq!(msgs.len(), 12);
+    assert_eq!(stream.read_all().await.len(), 12);
     drop(relay);
+}
+
+// 51. An idle ordered relay polls every `--poll-interval`. Its poll was the batch statement,
+// whose plan over every partition it owns PostgreSQL starts and runs at each call: about 10 ms
+// of CPU a second for one relay with the default 100 ms. While no transaction ends in the
+// database, nothing new can be read: the poll asks only whether one ended since its last read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_relay_reads_its_partitions_again_only_after_a_transaction_ended() {
+    idle_relay_reads(&["--partitions", "4"], BATCH, &LOOKS).await;
+}
+
+// 53. An idle unordered worker's poll was a transaction of three statements (BEGIN, the claim,
+// COMMIT), each worker's every `--poll-interval`; it asks the same question first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_unordered_workers_claim_again_only_after_a_transaction_ended() {
+    idle_relay_reads(&["--mode", "unordered", "--workers", "2"], CLAIM, &[]).await;
 }

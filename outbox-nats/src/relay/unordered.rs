@@ -4,6 +4,11 @@
 //! Any number of workers, in any number of processes, share the table without leases. What
 //! it gives up: rows of one aggregate claimed by two workers are published in whatever order
 //! the two finish, so consumers must not rely on per-aggregate order.
+//!
+//! After a claim that found nothing, a worker's poll asks for the current snapshot
+//! (`outbox_diesel::relay::current_snapshot`, taken before each claim) and claims again only
+//! once it moved: a transaction ended since, which may have committed rows or unlocked rows the
+//! claim skipped.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -63,7 +68,27 @@ impl UnorderedWorker {
         let mut average_payload = 0;
         // the last batch published: commits right after it may not have been notified
         let mut found = None;
+        // after a claim that found nothing, the snapshot asked for before the next one; and
+        // whether to ask (an idle poll, not a writer's notification nor within the linger)
+        let mut quiet: Option<String> = None;
+        let mut ask = false;
         while !self.shutdown.is_cancelled() {
+            // no transaction ended since the snapshot asked for before a claim that found
+            // nothing: the claim would find nothing again (every row it skips is locked by a
+            // transaction that takes an id, and moves the snapshot when it ends)
+            let asked = if ask {
+                let started = Instant::now();
+                let now = db::current_snapshot(conn).await?;
+                lease.confirm(started);
+                if quiet.as_ref() == Some(&now) {
+                    self.health.progressed();
+                    ask = self.idle(conn, found).await;
+                    continue;
+                }
+                Some(now)
+            } else {
+                None
+            };
             let (js, shutdown, lease, health) = (&self.js, &self.shutdown, &lease, &*self.health);
             let reconciler = &*self.reconciler;
             let average_payload = &mut average_payload;
@@ -107,17 +132,13 @@ impl UnorderedWorker {
                     Ok(Some(end))
                 })
                 .await?;
+            quiet = None;
+            ask = false;
             match end {
                 None => {
                     self.health.progressed();
-                    idle(
-                        conn,
-                        cfg,
-                        &self.shutdown,
-                        Instant::now() + cfg.poll_interval,
-                        found,
-                    )
-                    .await;
+                    quiet = asked;
+                    ask = self.idle(conn, found).await;
                 }
                 Some(BatchEnd::Done) => {
                     backoff.reset();
@@ -131,5 +152,15 @@ impl UnorderedWorker {
             }
         }
         Ok(())
+    }
+
+    /// Waits for the next poll or a writer's notification; whether the next claim asks first
+    /// whether a transaction ended (not after a notification, nor within the linger after a
+    /// batch, when a debounced writer's commits come unnotified).
+    async fn idle(&self, conn: &mut AsyncPgConnection, found: Option<Instant>) -> bool {
+        let cfg = &*self.cfg;
+        let deadline = Instant::now() + cfg.poll_interval;
+        let note = idle(conn, cfg, &self.shutdown, deadline, found).await;
+        note.is_none() && found.is_none_or(|f| f.elapsed() >= cfg.linger)
     }
 }
