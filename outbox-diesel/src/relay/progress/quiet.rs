@@ -9,7 +9,8 @@
 //! of the batch statement's cost (whose plan covers every partition the relay reads), and
 //! reads the partitions again only once it moved. A transaction in progress at the last read
 //! leaves its snapshot's `xip` list when it ends, so its rows (late ones) are read at the next
-//! poll as before.
+//! poll as before. The snapshot is the whole cluster's: writes to other tables and databases
+//! move it too, and the relay then reads as it did without the question.
 
 use diesel::pg::Pg;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
@@ -132,11 +133,6 @@ impl Reads {
     /// says a transaction ended, and asking first would only add a round trip).
     pub fn forget(&mut self) {
         self.quiet = None;
-    }
-
-    /// Whether the next read asks for the snapshot first (the last one found nothing).
-    pub fn is_quiet(&self) -> bool {
-        self.quiet.is_some()
     }
 }
 
