@@ -21,7 +21,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use crate::OutboxTable;
 
 use super::Cursor;
-use super::batch::{Batch, Partitioning, read_batches_in};
+use super::batch::{Batch, Partitioning, Read, read_batches_in};
 
 /// A relay's reads of its partitions: [`fetch_batches_in`](super::fetch_batches_in), but after
 /// a read that found nothing, each read first asks PostgreSQL for its current snapshot, and
@@ -54,7 +54,7 @@ pub struct Reads {
 /// The last read, which found nothing: what it read from, and at which snapshot.
 #[derive(Debug)]
 struct Quiet {
-    table: String,
+    table: OutboxTable,
     partitioning: Partitioning,
     cursors: Vec<(u32, Cursor)>,
     exclude: Vec<i64>,
@@ -72,7 +72,7 @@ impl Quiet {
         self.partitioning == partitioning
             && self.cursors == cursors
             && self.exclude == exclude
-            && self.table == table.quoted()
+            && self.table == *table
     }
 }
 
@@ -102,7 +102,11 @@ impl Reads {
                 .map(|(p, c)| (*p, Batch::empty(c.clone())))
                 .collect());
         }
-        let read = read_batches_in(
+        let Read {
+            batches,
+            snapshot,
+            found,
+        } = read_batches_in(
             conn,
             table,
             partitioning,
@@ -112,21 +116,20 @@ impl Reads {
             max_bytes,
         )
         .await?;
-        let unmoved = read
-            .batches
+        let unmoved = batches
             .iter()
             .zip(cursors)
             .all(|((_, b), (_, c))| b.next == *c);
-        if !read.found && unmoved {
-            self.quiet = read.snapshot.clone().map(|snapshot| Quiet {
-                table: table.quoted(),
+        if !found && unmoved {
+            self.quiet = snapshot.map(|snapshot| Quiet {
+                table: table.clone(),
                 partitioning,
                 cursors: cursors.to_vec(),
                 exclude: exclude.to_vec(),
                 snapshot,
             });
         }
-        Ok(read.batches)
+        Ok(batches)
     }
 
     /// Forgets the last read: the next one runs the batch statement (a writer's notification
