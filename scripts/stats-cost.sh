@@ -12,11 +12,14 @@
 #   scripts/stats-cost.sh                                  # 1,000,000 rows, 30 s per run
 #   ROWS=200000 SECONDS_PER_RUN=20 RELAYS="1 2 4" scripts/stats-cost.sh
 #   ROWS=0 SECONDS_PER_RUN=20 scripts/stats-cost.sh        # idle relays on an empty table
+#   ROWS=0 OTHER_WRITES=100 scripts/stats-cost.sh          # ... while another database is written
 #
 # Environment: RELAY (target/release/outbox-relay), PG (postgres://postgres@127.0.0.1:5432, a
-# superuser's URL without a database), ROWS, RELAYS, SECONDS_PER_RUN, INTERVAL (5s). It makes
-# the database outbox_stats_cost and its own nats-server (on a free port, in a temp dir), and
-# removes both at the end.
+# superuser's URL without a database), ROWS, RELAYS, SECONDS_PER_RUN, INTERVAL (5s),
+# OTHER_WRITES (0: how many transactions a second update a row of another database meanwhile,
+# outbox_stats_cost_other, whose sessions the second column leaves out). It makes the
+# database outbox_stats_cost and its own nats-server (on a free port, in a temp dir), and
+# removes them at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,7 +29,9 @@ ROWS=${ROWS:-1000000}
 RELAYS=${RELAYS:-"1 4"}
 SECONDS_PER_RUN=${SECONDS_PER_RUN:-30}
 INTERVAL=${INTERVAL:-5s}
+OTHER_WRITES=${OTHER_WRITES:-0}
 DB=outbox_stats_cost
+OTHER=${DB}_other
 
 [ -x "$RELAY" ] || { echo "no relay at $RELAY: cargo build --release --bins" >&2; exit 2; }
 command -v nats-server > /dev/null || { echo "nats-server is not on PATH" >&2; exit 2; }
@@ -36,7 +41,8 @@ pids=()
 cleanup() {
     for p in "${pids[@]}"; do kill "$p" 2> /dev/null || true; done
     wait 2> /dev/null || true
-    psql -q "$PG/postgres" -c "DROP DATABASE IF EXISTS $DB" 2> /dev/null || true
+    psql -q "$PG/postgres" -c "DROP DATABASE IF EXISTS $DB" -c "DROP DATABASE IF EXISTS $OTHER" \
+        2> /dev/null || true
     rm -rf "$dir"
 }
 trap cleanup EXIT
@@ -49,6 +55,15 @@ psql -q "$PG/$DB" -c "INSERT INTO outbox (id, aggregate_type, aggregate_id, even
     parked_at) SELECT gen_random_uuid(), 'order', 'parked-' || g, 'order.placed', \
     jsonb_build_object('n', g, 'pad', repeat('x', 200)), now() FROM generate_series(1, $ROWS) g" \
     -c "VACUUM ANALYZE outbox"
+
+if [ "$OTHER_WRITES" -gt 0 ]; then
+    psql -q "$PG/postgres" -c "DROP DATABASE IF EXISTS $OTHER" -c "CREATE DATABASE $OTHER"
+    psql -q "$PG/$OTHER" -c "CREATE TABLE busy (n int8 NOT NULL)" -c "INSERT INTO busy VALUES (0)"
+    # each update a transaction of its own, OTHER_WRITES a second
+    printf 'UPDATE busy SET n = n + 1 \\watch %s\n' "$(awk -v w="$OTHER_WRITES" 'BEGIN { print 1 / w }')" \
+        | psql -q "$PG/$OTHER" > /dev/null 2>&1 &
+    pids+=($!)
+fi
 
 port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 nats-server -a 127.0.0.1 -p "$port" -js -sd "$dir/js" > "$dir/nats.log" 2>&1 &
@@ -71,6 +86,7 @@ pg_ticks() {
 }
 hz=$(getconf CLK_TCK)
 
+if [ "$OTHER_WRITES" -gt 0 ]; then echo "while $OTHER writes $OTHER_WRITES transactions a second"; fi
 echo "relays  rows  --stats-interval  PostgreSQL CPU ms per second: all; the relays' sessions"
 for k in $RELAYS; do
     relays=()

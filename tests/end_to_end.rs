@@ -848,6 +848,90 @@ async fn unordered_relay_reads_commits_after_a_notified_one_within_its_linger() 
     commits_after_a_notified_one(outbox_nats::Unordered::default().workers(1).into()).await;
 }
 
+/// A parked row, released by `retry` while the relay idles (polling and balancing every 10 s):
+/// `retry` notifies the table's channel, and the relay publishes the row at once (before, at
+/// its next poll: an idle relay's question does not see a row whose `UPDATE` kept its
+/// transaction id).
+/// `before_retry`: the rows published before it (5 when the parked row holds the rest of its
+/// aggregate back, in the ordered mode; 10 in the unordered one).
+async fn retry_wakes_an_idle_relay(mode: outbox_nats::Mode, before_retry: u64) {
+    let (db, stream) = (TestDb::new(), TestStream::new());
+    let outbox = Outbox::new(OutboxTable::default());
+    let mut conn = db.conn();
+    let record = |conn: &mut PgConnection, order: &str, n: i64| {
+        conn.transaction(|conn| {
+            conn.record_event_in(
+                &outbox,
+                &OrderPlaced {
+                    order_id: order.into(),
+                    n,
+                },
+            )
+        })
+        .expect("record");
+    };
+    record(&mut conn, "o-1", 0);
+    db.execute("UPDATE outbox SET parked_at = now(), attempts = 5", "park");
+    for n in 1..=5 {
+        record(&mut conn, "o-1", n);
+        record(&mut conn, "o-2", n);
+    }
+    let mut config = config(&db, &stream)
+        .poll_interval(Duration::from_secs(10))
+        .lease(Duration::from_secs(40))
+        .linger(Duration::from_millis(200));
+    config.mode = mode;
+    config.standby_interval = Duration::from_secs(10);
+    let relay = InProcessRelay::start(config, &stream).await;
+    wait_until(
+        Duration::from_secs(20),
+        "every row published that the parked one does not hold back",
+        || async { stream.count().await == before_retry },
+    )
+    .await;
+    // past the linger and the first looks: the relay waits for a notification or its poll
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut a = db.async_conn().await;
+    let released = outbox_nats::operations::retry(
+        &mut a,
+        &OutboxTable::DEFAULT,
+        outbox_nats::operations::Retry::All,
+    )
+    .await
+    .expect("retry");
+    assert_eq!(released, 1);
+    wait_until(
+        Duration::from_secs(3),
+        "the released row published at once, not at the next poll",
+        || async { stream.count().await == 11 },
+    )
+    .await;
+    relay.stop().await;
+    let o1: Vec<i64> = stream
+        .read_all()
+        .await
+        .iter()
+        .filter(|m| m.aggregate_id == "o-1")
+        .map(|m| m.payload["n"].as_i64().unwrap_or(-1))
+        .collect();
+    if before_retry == 5 {
+        // ordered: the released row first, then the rows it held back
+        assert_eq!(o1, [0, 1, 2, 3, 4, 5]);
+    } else {
+        assert_eq!(o1, [1, 2, 3, 4, 5, 0]);
+    }
+}
+
+#[tokio::test]
+async fn retry_wakes_an_idle_ordered_relay_at_once() {
+    retry_wakes_an_idle_relay(outbox_nats::Ordered::default().into(), 5).await;
+}
+
+#[tokio::test]
+async fn retry_wakes_idle_unordered_workers_at_once() {
+    retry_wakes_an_idle_relay(outbox_nats::Unordered::default().workers(2).into(), 10).await;
+}
+
 /// Relays that look at the partitions' shares every 20 s: one that joins, and one that
 /// stops, move the shares at once (relays tell each other with `NOTIFY`), whether the others
 /// are idle or standing by, not at the others' next look.

@@ -1,6 +1,9 @@
 //! What an idle relay asks PostgreSQL.
 
 use super::*;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use support::servers::PgCluster;
 
 /// How many times the statements matching `pattern` (`LIKE`) ran on `db`'s server so far, and
@@ -26,11 +29,32 @@ const LOOKS: [&str; 2] = [
     "SELECT EXISTS (SELECT $% FROM pg_index%",
 ];
 
+/// Writes another table of `db` every 10 ms until `stop`: transactions that end, and move the
+/// snapshot, without an outbox row.
+fn other_writes(db: &TestDb, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
+    db.execute("CREATE TABLE busy (n int8 NOT NULL)", "the other table");
+    db.execute("INSERT INTO busy VALUES (0)", "its row");
+    let mut conn = db.conn();
+    std::thread::spawn(move || {
+        // until stopped, or the cluster is gone (a test that failed)
+        while !stop.load(Ordering::Relaxed)
+            && diesel::sql_query("UPDATE busy SET n = n + 1")
+                .execute(&mut conn)
+                .is_ok()
+        {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    })
+}
+
 /// A relay with `args` idles for 3 s (polling every 50 ms) on a cluster of its own: its read
 /// (`read`, a `LIKE` pattern) may run at most 10 times, and with `looks`, each look at the
 /// shares runs on its cached plan. Then a transaction held open through the idle polls
 /// commits, and a writer that does not notify inserts a row: each is published within 2 s.
-async fn idle_relay_reads(args: &[&str], read: &str, looks: &[&str]) {
+/// Then it idles 3 s more while another table is written every 10 ms: its read may run at
+/// most `beside` times. A row that carries an earlier transaction's id (a copy) is published
+/// within 2 s all the same.
+async fn idle_relay_reads(args: &[&str], read: &str, looks: &[&str], beside: i64) {
     let cluster = PgCluster::start_with(&[
         "shared_preload_libraries=pg_stat_statements",
         "pg_stat_statements.track=all",
@@ -86,22 +110,45 @@ async fn idle_relay_reads(args: &[&str], read: &str, looks: &[&str]) {
     tokio::time::sleep(Duration::from_millis(500)).await;
     insert_rows(&db, 1);
     wait_published(&db, 12, Duration::from_secs(2)).await;
-    assert_eq!(stream.read_all().await.len(), 12);
+    // other transactions end all the time, none of them writing the outbox
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = other_writes(&db, stop.clone());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = calls_and_plans(&db, read).0;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let idle = calls_and_plans(&db, read).0 - before;
+    assert!(
+        idle <= beside,
+        "the relay read {idle} times in 3 s beside other writes, polling every 50 ms"
+    );
+    // a row whose transaction id is an earlier transaction's: the question by transaction id
+    // does not see it come, the relay's read at least once a second does
+    db.execute(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, txid) \
+         SELECT gen_random_uuid(), 'order', 'copied', 'order.placed', '{}', txid \
+         FROM outbox ORDER BY seq LIMIT 1",
+        "a row with an earlier transaction's id",
+    );
+    wait_published(&db, 13, Duration::from_secs(2)).await;
+    stop.store(true, Ordering::Relaxed);
+    writer.join().expect("the other writes");
+    assert_eq!(stream.read_all().await.len(), 13);
     drop(relay);
 }
 
-// 51. An idle ordered relay polls every `--poll-interval`. Its poll was the batch statement,
-// whose plan over every partition it owns PostgreSQL starts and runs at each call: about 10 ms
-// of CPU a second for one relay with the default 100 ms. While no transaction ends in the
-// database, nothing new can be read: the poll asks only whether one ended since its last read.
+// 51 and 54. An idle ordered relay polls every `--poll-interval`. Its poll was the batch
+// statement, whose plan over every partition it owns PostgreSQL starts and runs at each call:
+// about 10 ms of CPU a second for one relay with the default 100 ms. While no row comes to its
+// table, nothing new can be read: the poll asks only whether a transaction ended since its
+// last read, and if one did, whether the table holds a row that read did not see.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_relay_reads_its_partitions_again_only_after_a_transaction_ended() {
-    idle_relay_reads(&["--partitions", "4"], BATCH, &LOOKS).await;
+    idle_relay_reads(&["--partitions", "4"], BATCH, &LOOKS, 10).await;
 }
 
-// 53. An idle unordered worker's poll was a transaction of three statements (BEGIN, the claim,
-// COMMIT), each worker's every `--poll-interval`; it asks the same question first.
+// 53 and 54. An idle unordered worker's poll was a transaction of three statements (BEGIN,
+// the claim, COMMIT), each worker's every `--poll-interval`; it asks the same question first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_unordered_workers_claim_again_only_after_a_transaction_ended() {
-    idle_relay_reads(&["--mode", "unordered", "--workers", "2"], CLAIM, &[]).await;
+    idle_relay_reads(&["--mode", "unordered", "--workers", "2"], CLAIM, &[], 14).await;
 }

@@ -155,7 +155,8 @@ pub async fn parked(
 /// Un-parks the row `seq` (or every parked row when `None`) and resets its attempts, so the
 /// relay publishes it again, and releases the rows held back behind it (see [`hold_back`]);
 /// returns how many parked rows it released (held-back rows are not counted). Rows still
-/// behind another parked row of their aggregate are held back again by the next poll.
+/// behind another parked row of their aggregate are held back again by the next poll. The
+/// relays that listen on the table's channel are notified when the transaction commits.
 pub async fn retry_parked(
     conn: &mut AsyncPgConnection,
     table: &OutboxTable,
@@ -197,6 +198,14 @@ pub async fn retry_parked(
         .bind::<Nullable<BigInt>, _>(seq)
         .execute(conn)
         .await?;
+        // the relays listening read at once (their idle question does not see a row whose
+        // `UPDATE` kept its transaction id)
+        if parked.n > 0 {
+            diesel::sql_query("SELECT pg_notify($1, '')")
+                .bind::<diesel::sql_types::Text, _>(table.channel())
+                .execute(conn)
+                .await?;
+        }
         Ok(parked.n as usize)
     })
     .await

@@ -435,7 +435,10 @@ async fn retry(args: RetryArgs) -> ExitCode {
     };
     match operations::retry(&mut conn, &args.db.table, which).await {
         Ok(n) => {
-            println!("released {n} parked row(s); the relay publishes them on its next poll");
+            println!(
+                "released {n} parked row(s); the relays were notified and publish them at once \
+                 (one that does not listen, at its next poll)"
+            );
             ExitCode::SUCCESS
         }
         Err(e @ operations::RetryError::NotParked(_)) => fail("retry", e.to_string()),

@@ -337,7 +337,8 @@ pub enum RetryError {
 }
 
 /// Releases parked rows (`outbox-relay retry`): the relay publishes them, in order with the
-/// rows they held back, on its next poll. Returns how many were released.
+/// rows they held back, at once when it listens on the table's channel (`retry` notifies it),
+/// or on its next poll. Returns how many were released.
 pub async fn retry(
     conn: &mut AsyncPgConnection,
     table: &OutboxTable,

@@ -1,33 +1,43 @@
-//! Reads that skip the batch statement while nothing can have changed: an idle relay's poll.
+//! Reads that skip the batch statement while nothing new can be read: an idle relay's poll.
 //!
-//! A batch statement reads what its snapshot sees from where the cursors stand. Two snapshots
-//! that are equal (`xmin:xmax:xip`) see the same transactions committed; the snapshot moves
-//! only when a transaction that wrote ends, since every write (an `INSERT`, a `retry`'s
-//! `UPDATE`, a `DELETE`, a `NOTIFY`) takes a transaction id. So once a statement found nothing,
-//! the same statement at an equal snapshot, from the same cursors, finds nothing again: the
-//! next poll asks for the snapshot alone, a statement PostgreSQL starts and runs at a fraction
-//! of the batch statement's cost (whose plan covers every partition the relay reads), and
-//! reads the partitions again only once it moved. A transaction in progress at the last read
-//! leaves its snapshot's `xip` list when it ends, so its rows (late ones) are read at the next
-//! poll as before. The snapshot is the whole cluster's: writes to other tables and databases
-//! move it too, and the relay then reads as it did without the question.
+//! A batch statement reads what its snapshot sees from where the cursors stand. Once one found
+//! nothing, the next poll asks a smaller question first, and reads the partitions again only
+//! when it says rows may have come (or at least once a second, [`QUIET_READ_EVERY`]):
+//!
+//! - whether the snapshot moved at all: two equal snapshots (`xmin:xmax:xip`) see the same
+//!   transactions committed, and every write takes a transaction id;
+//! - whether the table holds a row the read's snapshot did not see: every row carries the id
+//!   of the transaction that inserted it (`txid`), and a row that snapshot did not see has an
+//!   id in its in-progress list or at or above its `xmax` (two probes of the `txid` index);
+//! - whether a row is released (`retry`) and not among those the relay has in flight.
+//!
+//! The snapshot is the whole cluster's, so the first alone lets every write anywhere send the
+//! relay back to its partitions; the second keeps it at the question while other tables and
+//! databases are written. Rows of a transaction in progress at the last read (late ones) have
+//! an id in its in-progress list, and are read at the first poll after their commit. What the
+//! question does not see is a row made readable by an `UPDATE` that keeps its `txid` (an
+//! operator setting `parked_at` back by hand), or inserted with an earlier transaction's id:
+//! the read that runs at least once a second finds those.
+
+use std::time::{Duration, Instant};
 
 use diesel::pg::Pg;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
-use diesel::sql_types::Text;
+use diesel::sql_types::{Bool, Text};
 use diesel::{QueryResult, QueryableByName};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use crate::OutboxTable;
+use crate::relay::prepared::Prepared;
 
 use super::Cursor;
 use super::batch::{Batch, Partitioning, Read, read_batches_in};
 
 /// A relay's reads of its partitions: [`fetch_batches_in`](super::fetch_batches_in), but after
-/// a read that found nothing, each read first asks PostgreSQL for its current snapshot, and
-/// runs the batch statement only when it differs from that read's (a transaction ended since)
-/// or when it reads from other cursors. An idle relay's poll is then one small statement,
-/// prepared once per session like the batch statement.
+/// a read that found nothing, each read first asks PostgreSQL whether rows may have come since
+/// ([`written_since`]), and runs the batch statement only when they may, when it reads from
+/// other cursors, or when the last one ran [`QUIET_READ_EVERY`] ago. An idle relay's poll is
+/// then one small statement, prepared once per session like the batch statement.
 ///
 /// ```no_run
 /// use outbox_diesel::OutboxTable;
@@ -51,7 +61,12 @@ pub struct Reads {
     quiet: Option<Quiet>,
 }
 
-/// The last read, which found nothing: what it read from, and at which snapshot.
+/// How often an idle relay reads its partitions whatever the question says: the bound on how
+/// long a row the question does not see waits (one made readable by an `UPDATE` that keeps its
+/// `txid`, or inserted with an earlier transaction's id).
+pub const QUIET_READ_EVERY: Duration = Duration::from_secs(1);
+
+/// The last read, which found nothing: what it read from, at which snapshot, and when.
 #[derive(Debug)]
 struct Quiet {
     table: OutboxTable,
@@ -59,6 +74,7 @@ struct Quiet {
     cursors: Vec<(u32, Cursor)>,
     exclude: Vec<i64>,
     snapshot: String,
+    read_at: Instant,
 }
 
 impl Quiet {
@@ -73,14 +89,15 @@ impl Quiet {
             && self.cursors == cursors
             && self.exclude == exclude
             && self.table == *table
+            && self.read_at.elapsed() < QUIET_READ_EVERY
     }
 }
 
 impl Reads {
     /// Reads the next batch of each of `cursors`' partitions as
     /// [`fetch_batches_in`](super::fetch_batches_in) does, unless the last read, from the same
-    /// cursors, found nothing and no transaction has ended since: then every batch is empty
-    /// and its cursor stays.
+    /// cursors and less than [`QUIET_READ_EVERY`] ago, found nothing and no row it could read
+    /// has come since: then every batch is empty and its cursor stays.
     #[allow(clippy::too_many_arguments)]
     pub async fn fetch(
         &mut self,
@@ -92,16 +109,21 @@ impl Reads {
         limit: i64,
         max_bytes: i64,
     ) -> QueryResult<Vec<(u32, Batch)>> {
-        if let Some(quiet) = self.quiet.take()
+        if let Some(mut quiet) = self.quiet.take()
             && quiet.reads(table, partitioning, cursors, exclude)
-            && current_snapshot(conn).await? == quiet.snapshot
         {
-            self.quiet = Some(quiet);
-            return Ok(cursors
-                .iter()
-                .map(|(p, c)| (*p, Batch::empty(c.clone())))
-                .collect());
+            let since = written_since(conn, table, &quiet.snapshot, exclude).await?;
+            if !since.written {
+                // what the new snapshot sees of the table, the last read's saw
+                quiet.snapshot = since.snapshot;
+                self.quiet = Some(quiet);
+                return Ok(cursors
+                    .iter()
+                    .map(|(p, c)| (*p, Batch::empty(c.clone())))
+                    .collect());
+            }
         }
+        let read_at = Instant::now();
         let Read {
             batches,
             snapshot,
@@ -127,6 +149,7 @@ impl Reads {
                 cursors: cursors.to_vec(),
                 exclude: exclude.to_vec(),
                 snapshot,
+                read_at,
             });
         }
         Ok(batches)
@@ -173,4 +196,72 @@ struct Snapshot {
 pub async fn current_snapshot(conn: &mut AsyncPgConnection) -> QueryResult<String> {
     let s: Snapshot = CurrentSnapshot.get_result(conn).await?;
     Ok(s.snap)
+}
+
+/// What [`written_since`] answers.
+#[derive(Debug, Clone, PartialEq, Eq, QueryableByName)]
+pub struct Since {
+    /// The session's current snapshot (as [`current_snapshot`] writes it).
+    #[diesel(sql_type = Text, column_name = snap)]
+    pub snapshot: String,
+    /// Whether `table` may hold rows that a read at the earlier snapshot did not see: a row
+    /// of a transaction that snapshot saw in progress or not begun, or a released row other
+    /// than those left out. `false` when the snapshot did not move.
+    #[diesel(sql_type = Bool)]
+    pub written: bool,
+}
+
+/// Asks whether `table` holds rows that a read at `snapshot` (a `pg_snapshot` as text) did not
+/// see, with the session's current snapshot: one statement, prepared once per session, of two
+/// probes of the `txid` index and one of the released rows' (none when the snapshot has not
+/// moved). A row inserted with an earlier transaction's id, or made readable by an `UPDATE`
+/// other than `retry`'s, is not seen: [`Reads`] reads at least every [`QUIET_READ_EVERY`].
+///
+/// ```no_run
+/// use outbox_diesel::OutboxTable;
+/// use outbox_diesel::relay::{current_snapshot, written_since};
+///
+/// # async fn run(conn: &mut diesel_async::AsyncPgConnection) -> diesel::QueryResult<()> {
+/// let table = OutboxTable::DEFAULT;
+/// let before = current_snapshot(conn).await?;
+/// // ... a read at `before` found nothing
+/// let since = written_since(conn, &table, &before, &[]).await?;
+/// if since.written {
+///     // read again
+/// }
+/// # Ok(()) }
+/// ```
+pub async fn written_since(
+    conn: &mut AsyncPgConnection,
+    table: &OutboxTable,
+    snapshot: &str,
+    exclude: &[i64],
+) -> QueryResult<Since> {
+    let t = table.quoted();
+    let exclude = format!(
+        "{{{}}}",
+        exclude
+            .iter()
+            .map(i64::to_string)
+            .collect::<Vec<_>>()
+            .join(",")
+    );
+    let probes = format!(
+        "::int8[] AS x, pg_current_snapshot() AS n) \
+         SELECT q.n::text AS snap, CASE WHEN q.n::text = q.s::text THEN false ELSE \
+         EXISTS (SELECT 1 FROM {t} o WHERE o.txid >= pg_snapshot_xmax(q.s)) \
+         OR EXISTS (SELECT 1 FROM {t} o WHERE o.txid = ANY (ARRAY(SELECT pg_snapshot_xip(q.s)))) \
+         OR EXISTS (SELECT 1 FROM {t} o WHERE o.parked_at = 'infinity' \
+         AND o.published_at IS NULL AND o.seq <> ALL (q.x)) END AS written FROM q"
+    );
+    Prepared {
+        pieces: &[
+            "WITH q AS MATERIALIZED (SELECT ",
+            "::pg_snapshot AS s, ",
+            &probes,
+        ],
+        binds: &[snapshot, &exclude],
+    }
+    .get_result(conn)
+    .await
 }
