@@ -8,8 +8,9 @@
 //! After a claim that found nothing, a worker's poll asks whether rows came since the snapshot
 //! taken before that claim (`outbox_diesel::relay::written_since`: whether it moved, and
 //! whether the table holds rows of transactions it did not see) and claims again only when
-//! they may have, or a second after its last claim (`QUIET_READ_EVERY`), which finds rows the
-//! question does not see: rows a worker that failed unlocked, rows `retry` released.
+//! they may have, or, while the snapshot moves, a second after its last claim
+//! (`QUIET_READ_EVERY`), which finds rows the question does not see, such as rows a worker that
+//! failed unlocked.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -69,37 +70,31 @@ impl UnorderedWorker {
         let mut average_payload = 0;
         // the last batch published: commits right after it may not have been notified
         let mut found = None;
-        // after a claim that found nothing, the snapshot asked for before it and when it ran;
-        // and whether to ask (an idle poll, not a writer's notification nor within the linger)
-        let mut quiet: Option<(String, Instant)> = None;
+        // after a claim that found nothing, the snapshot asked for before it; and whether to
+        // ask (an idle poll, not a writer's notification nor within the linger)
+        let mut quiet: Option<db::QuietSince> = None;
         let mut ask = false;
         while !self.shutdown.is_cancelled() {
             // no row came since the snapshot asked for before a claim that found nothing: the
             // claim would find nothing again (a row it skipped was locked by a worker, which
             // publishes it or claims it again; one unlocked otherwise waits for the claim that
-            // runs at least once a second)
+            // runs at least once a second while the snapshot moves)
             let asked = if ask {
                 let started = Instant::now();
-                let asked = match quiet.take() {
-                    Some((snapshot, at)) if at.elapsed() < db::QUIET_READ_EVERY => {
-                        let since = db::written_since(conn, &cfg.table, &snapshot, &[]).await?;
-                        if !since.written {
-                            lease.confirm(started);
-                            quiet = Some((since.snapshot, at));
-                            self.health.progressed();
-                            ask = self.idle(conn, found).await;
-                            continue;
-                        }
-                        since.snapshot
-                    }
-                    _ => db::current_snapshot(conn).await?,
+                let asked = match quiet.as_mut() {
+                    Some(q) => q.ask(conn, &cfg.table, &[]).await?,
+                    None => Some(db::current_snapshot(conn).await?),
                 };
                 lease.confirm(started);
-                Some(asked)
+                if asked.is_none() {
+                    self.health.progressed();
+                    ask = self.idle(conn, found).await;
+                    continue;
+                }
+                asked
             } else {
                 None
             };
-            let claimed_at = Instant::now();
             let (js, shutdown, lease, health) = (&self.js, &self.shutdown, &lease, &*self.health);
             let reconciler = &*self.reconciler;
             let average_payload = &mut average_payload;
@@ -148,7 +143,7 @@ impl UnorderedWorker {
             match end {
                 None => {
                     self.health.progressed();
-                    quiet = asked.map(|snapshot| (snapshot, claimed_at));
+                    quiet = asked.map(db::QuietSince::new);
                     ask = self.idle(conn, found).await;
                 }
                 Some(BatchEnd::Done) => {

@@ -2,7 +2,8 @@
 //!
 //! A batch statement reads what its snapshot sees from where the cursors stand. Once one found
 //! nothing, the next poll asks a smaller question first, and reads the partitions again only
-//! when it says rows may have come (or at least once a second, [`QUIET_READ_EVERY`]):
+//! when it says rows may have come (or, once the snapshot moved, at least once a second:
+//! [`QUIET_READ_EVERY`]):
 //!
 //! - whether the snapshot moved at all: two equal snapshots (`xmin:xmax:xip`) see the same
 //!   transactions committed, and every write takes a transaction id;
@@ -17,7 +18,8 @@
 //! an id in its in-progress list, and are read at the first poll after their commit. What the
 //! question does not see is a row made readable by an `UPDATE` that keeps its `txid` (an
 //! operator setting `parked_at` back by hand), or inserted with an earlier transaction's id:
-//! the read that runs at least once a second finds those.
+//! either moves the snapshot, and a read runs at least once a second while it moved. On a
+//! database where nothing is written, the relay reads no more than the question.
 
 use std::time::{Duration, Instant};
 
@@ -36,8 +38,9 @@ use super::batch::{Batch, Partitioning, Read, read_batches_in};
 /// A relay's reads of its partitions: [`fetch_batches_in`](super::fetch_batches_in), but after
 /// a read that found nothing, each read first asks PostgreSQL whether rows may have come since
 /// ([`written_since`]), and runs the batch statement only when they may, when it reads from
-/// other cursors, or when the last one ran [`QUIET_READ_EVERY`] ago. An idle relay's poll is
-/// then one small statement, prepared once per session like the batch statement.
+/// other cursors, or when the snapshot moved since the last one ran [`QUIET_READ_EVERY`] ago
+/// ([`QuietSince`]). An idle relay's poll is then one small statement, prepared once per
+/// session like the batch statement.
 ///
 /// ```no_run
 /// use outbox_diesel::OutboxTable;
@@ -61,20 +64,78 @@ pub struct Reads {
     quiet: Option<Quiet>,
 }
 
-/// How often an idle relay reads its partitions whatever the question says: the bound on how
-/// long a row the question does not see waits (one made readable by an `UPDATE` that keeps its
-/// `txid`, or inserted with an earlier transaction's id).
+/// How often an idle relay reads its partitions whatever the question says, once the snapshot
+/// moved since its last read: the bound on how long a row the question does not see waits (one
+/// made readable by an `UPDATE` that keeps its `txid`, or inserted with an earlier
+/// transaction's id; either moves the snapshot).
 pub const QUIET_READ_EVERY: Duration = Duration::from_secs(1);
 
-/// The last read, which found nothing: what it read from, at which snapshot, and when.
+/// A read that found nothing, as an idle relay keeps it: the snapshot it read at, the latest
+/// snapshot the question found nothing new at, and when it read. [`ask`](Self::ask) says
+/// whether to read again.
+///
+/// ```no_run
+/// use outbox_diesel::OutboxTable;
+/// use outbox_diesel::relay::{QuietSince, current_snapshot};
+///
+/// # async fn run(conn: &mut diesel_async::AsyncPgConnection) -> diesel::QueryResult<()> {
+/// let table = OutboxTable::DEFAULT;
+/// let snapshot = current_snapshot(conn).await?;
+/// // ... a read after `snapshot` was taken found nothing
+/// let mut quiet = QuietSince::new(snapshot);
+/// match quiet.ask(conn, &table, &[]).await? {
+///     None => { /* nothing new: wait for the next poll */ }
+///     Some(now) => { /* read again; `now` was taken before the read */ }
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct QuietSince {
+    read: String,
+    seen: String,
+    read_at: Instant,
+}
+
+impl QuietSince {
+    /// After a read that found nothing at `snapshot` (or later: a snapshot taken before it).
+    pub fn new(snapshot: String) -> Self {
+        QuietSince {
+            seen: snapshot.clone(),
+            read: snapshot,
+            read_at: Instant::now(),
+        }
+    }
+
+    /// Asks PostgreSQL ([`written_since`]) whether a read now could find rows of `table` (other
+    /// than the released rows `exclude`) that the last one did not: `None` when it cannot,
+    /// or the session's current snapshot when it may, or when the snapshot moved since the
+    /// read [`QUIET_READ_EVERY`] ago or more.
+    pub async fn ask(
+        &mut self,
+        conn: &mut AsyncPgConnection,
+        table: &OutboxTable,
+        exclude: &[i64],
+    ) -> QueryResult<Option<String>> {
+        let since = written_since(conn, table, &self.seen, exclude).await?;
+        if since.written
+            || (self.read_at.elapsed() >= QUIET_READ_EVERY && since.snapshot != self.read)
+        {
+            return Ok(Some(since.snapshot));
+        }
+        // what the new snapshot sees of the table, the last read's saw
+        self.seen = since.snapshot;
+        Ok(None)
+    }
+}
+
+/// The last read, which found nothing: what it read from, and at which snapshot.
 #[derive(Debug)]
 struct Quiet {
     table: OutboxTable,
     partitioning: Partitioning,
     cursors: Vec<(u32, Cursor)>,
     exclude: Vec<i64>,
-    snapshot: String,
-    read_at: Instant,
+    since: QuietSince,
 }
 
 impl Quiet {
@@ -89,15 +150,14 @@ impl Quiet {
             && self.cursors == cursors
             && self.exclude == exclude
             && self.table == *table
-            && self.read_at.elapsed() < QUIET_READ_EVERY
     }
 }
 
 impl Reads {
     /// Reads the next batch of each of `cursors`' partitions as
     /// [`fetch_batches_in`](super::fetch_batches_in) does, unless the last read, from the same
-    /// cursors and less than [`QUIET_READ_EVERY`] ago, found nothing and no row it could read
-    /// has come since: then every batch is empty and its cursor stays.
+    /// cursors, found nothing and [`QuietSince::ask`] says no row it could read has come
+    /// since: then every batch is empty and its cursor stays.
     #[allow(clippy::too_many_arguments)]
     pub async fn fetch(
         &mut self,
@@ -112,10 +172,7 @@ impl Reads {
         if let Some(mut quiet) = self.quiet.take()
             && quiet.reads(table, partitioning, cursors, exclude)
         {
-            let since = written_since(conn, table, &quiet.snapshot, exclude).await?;
-            if !since.written {
-                // what the new snapshot sees of the table, the last read's saw
-                quiet.snapshot = since.snapshot;
+            if quiet.since.ask(conn, table, exclude).await?.is_none() {
                 self.quiet = Some(quiet);
                 return Ok(cursors
                     .iter()
@@ -123,7 +180,6 @@ impl Reads {
                     .collect());
             }
         }
-        let read_at = Instant::now();
         let Read {
             batches,
             snapshot,
@@ -148,8 +204,7 @@ impl Reads {
                 partitioning,
                 cursors: cursors.to_vec(),
                 exclude: exclude.to_vec(),
-                snapshot,
-                read_at,
+                since: QuietSince::new(snapshot),
             });
         }
         Ok(batches)
@@ -215,7 +270,8 @@ pub struct Since {
 /// see, with the session's current snapshot: one statement, prepared once per session, of two
 /// probes of the `txid` index and one of the released rows' (none when the snapshot has not
 /// moved). A row inserted with an earlier transaction's id, or made readable by an `UPDATE`
-/// other than `retry`'s, is not seen: [`Reads`] reads at least every [`QUIET_READ_EVERY`].
+/// other than `retry`'s, is not seen: [`QuietSince`] reads again at least every
+/// [`QUIET_READ_EVERY`] while the snapshot moved.
 ///
 /// ```no_run
 /// use outbox_diesel::OutboxTable;
