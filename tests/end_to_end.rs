@@ -775,6 +775,23 @@ async fn a_progress_table_made_before_late_passes_is_read_then_upgraded_by_creat
     assert_eq!(aggregates_in(&stream).await, ["u-1", "u-2", "u-3", "u-4"]);
 }
 
+/// A relay of `mode` that polls, and balances its partitions, every 10 s, and lingers `linger`
+/// after a read that found rows: between those, only a notification wakes it.
+fn polling_every_10s(
+    db: &TestDb,
+    stream: &TestStream,
+    mode: outbox_nats::Mode,
+    linger: Duration,
+) -> RelayConfig {
+    let mut config = config(db, stream)
+        .poll_interval(Duration::from_secs(10))
+        .lease(Duration::from_secs(40))
+        .linger(linger);
+    config.mode = mode;
+    config.standby_interval = Duration::from_secs(10);
+    config
+}
+
 /// A writer that notifies once a minute (so only its first commit wakes the relay), the
 /// relay polling (and balancing its partitions, which reads too) every 10 s and lingering 3 s
 /// after a read that found rows.
@@ -782,12 +799,7 @@ async fn commits_after_a_notified_one(mode: outbox_nats::Mode) {
     let (db, stream) = (TestDb::new(), TestStream::new());
     let outbox = Outbox::new(OutboxTable::default())
         .notify(outbox_diesel::Notify::Debounced(Duration::from_secs(60)));
-    let mut config = config(&db, &stream)
-        .poll_interval(Duration::from_secs(10))
-        .lease(Duration::from_secs(40))
-        .linger(Duration::from_secs(3));
-    config.mode = mode;
-    config.standby_interval = Duration::from_secs(10);
+    let config = polling_every_10s(&db, &stream, mode, Duration::from_secs(3));
     let relay = InProcessRelay::start(config, &stream).await;
     let mut conn = db.conn();
     let record = |conn: &mut PgConnection, n: i64| {
@@ -876,12 +888,7 @@ async fn retry_wakes_an_idle_relay(mode: outbox_nats::Mode, before_retry: u64) {
         record(&mut conn, "o-1", n);
         record(&mut conn, "o-2", n);
     }
-    let mut config = config(&db, &stream)
-        .poll_interval(Duration::from_secs(10))
-        .lease(Duration::from_secs(40))
-        .linger(Duration::from_millis(200));
-    config.mode = mode;
-    config.standby_interval = Duration::from_secs(10);
+    let config = polling_every_10s(&db, &stream, mode, Duration::from_millis(200));
     let relay = InProcessRelay::start(config, &stream).await;
     wait_until(
         Duration::from_secs(20),

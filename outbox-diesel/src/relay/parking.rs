@@ -201,10 +201,8 @@ pub async fn retry_parked(
         // the relays listening read at once (their idle question does not see a row whose
         // `UPDATE` kept its transaction id)
         if parked.n > 0 {
-            diesel::sql_query("SELECT pg_notify($1, '')")
-                .bind::<diesel::sql_types::Text, _>(table.channel())
-                .execute(conn)
-                .await?;
+            // the writers' wake-up: an empty payload on the table's channel
+            super::notify_members(conn, &table.channel(), "").await?;
         }
         Ok(parked.n as usize)
     })
