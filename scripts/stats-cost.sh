@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the relays' backlog statistics cost PostgreSQL: 1 and then 4 ordered relays
-# (`--partitions 8`) idle on a backlog of parked rows (which they leave alone), and
+# (`--partitions 8`; or unordered ones, `MODE=unordered`) idle on a backlog of parked rows (which they leave alone), and
 # PostgreSQL's CPU time per second while they run, read from /proc: every `postgres` process
 # of the machine (run it on an otherwise idle server), and of those the sessions of the
 # script's database alone (the relays'), which other work on the server does not touch. What
@@ -13,11 +13,13 @@
 #   ROWS=200000 SECONDS_PER_RUN=20 RELAYS="1 2 4" scripts/stats-cost.sh
 #   ROWS=0 SECONDS_PER_RUN=20 scripts/stats-cost.sh        # idle relays on an empty table
 #   ROWS=0 OTHER_WRITES=100 scripts/stats-cost.sh          # ... while another database is written
+#   ROWS=0 MODE=unordered scripts/stats-cost.sh            # idle unordered relays (4 workers each)
 #
 # Environment: RELAY (target/release/outbox-relay), PG (postgres://postgres@127.0.0.1:5432, a
 # superuser's URL without a database), ROWS, RELAYS, SECONDS_PER_RUN, INTERVAL (5s),
 # OTHER_WRITES (0: how many transactions a second update a row of another database meanwhile,
-# outbox_stats_cost_other, whose sessions the second column leaves out). It makes the
+# outbox_stats_cost_other, whose sessions the second column leaves out), MODE (ordered, with
+# `--partitions 8`, or unordered, with its default 4 workers). It makes the
 # database outbox_stats_cost and its own nats-server (on a free port, in a temp dir), and
 # removes them at the end.
 set -euo pipefail
@@ -30,6 +32,12 @@ RELAYS=${RELAYS:-"1 4"}
 SECONDS_PER_RUN=${SECONDS_PER_RUN:-30}
 INTERVAL=${INTERVAL:-5s}
 OTHER_WRITES=${OTHER_WRITES:-0}
+MODE=${MODE:-ordered}
+case "$MODE" in
+    ordered) mode_args=(--partitions 8) ;;
+    unordered) mode_args=(--mode unordered) ;;
+    *) echo "MODE is ordered or unordered, not $MODE" >&2; exit 2 ;;
+esac
 DB=outbox_stats_cost
 OTHER=${DB}_other
 
@@ -87,12 +95,12 @@ pg_ticks() {
 hz=$(getconf CLK_TCK)
 
 if [ "$OTHER_WRITES" -gt 0 ]; then echo "while $OTHER writes $OTHER_WRITES transactions a second"; fi
-echo "relays  rows  --stats-interval  PostgreSQL CPU ms per second: all; the relays' sessions"
+echo "$MODE relays  rows  --stats-interval  PostgreSQL CPU ms per second: all; the relays' sessions"
 for k in $RELAYS; do
     relays=()
     for _ in $(seq "$k"); do
         RUST_LOG=${RELAY_LOG:-warn} "$RELAY" run --database-url "$PG/$DB" --nats-url "nats://127.0.0.1:$port" \
-            --stream STATSCOST --subject-prefix statscost --partitions 8 \
+            --stream STATSCOST --subject-prefix statscost "${mode_args[@]}" \
             --stats-interval "$INTERVAL" > /dev/null 2>> "${RELAY_LOG_FILE:-$dir/relays.log}" &
         relays+=($!)
         pids+=($!)

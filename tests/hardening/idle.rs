@@ -22,6 +22,11 @@ fn calls_and_plans(db: &TestDb, pattern: &str) -> (i64, i64) {
 const BATCH: &str = "WITH cur AS MATERIALIZED%";
 /// The unordered workers' claim.
 const CLAIM: &str = "%FOR UPDATE SKIP LOCKED%";
+/// The idle poll's question, its first statement.
+const QUESTION: &str = "SELECT pg_current_snapshot()::text AS snap";
+/// How many times a relay polling every 50 ms may ask it in 3 s: once a poll, whatever its
+/// workers.
+const QUESTIONS: i64 = 75;
 /// The ordered relay's looks at the shares, once a second: the relays of the table, and the
 /// partition index (as `pg_stat_statements` writes them, each constant a `$n`).
 const LOOKS: [&str; 2] = [
@@ -48,11 +53,12 @@ fn other_writes(db: &TestDb, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<(
 }
 
 /// A relay with `args` idles for 3 s (polling every 50 ms) on a cluster of its own: its read
-/// (`read`, a `LIKE` pattern) may run at most 10 times, and with `looks`, each look at the
-/// shares runs on its cached plan. Then a transaction held open through the idle polls
-/// commits, and a writer that does not notify inserts a row: each is published within 2 s.
-/// Then it idles 3 s more while another table is written every 10 ms: its read may run at
-/// most `beside` times. A row that carries an earlier transaction's id (a copy) is published
+/// (`read`, a `LIKE` pattern) may run at most 10 times, its question at most `QUESTIONS`
+/// times, and with `looks`, each look at the shares runs on its cached plan. Then a
+/// transaction held open through the idle polls commits, and a writer that does not notify
+/// inserts a row: each is published within 2 s. Then it idles 3 s more while another table is
+/// written every 10 ms: its read may run at most `beside` times, its question at most
+/// `QUESTIONS` times. A row that carries an earlier transaction's id (a copy) is published
 /// within 2 s all the same.
 async fn idle_relay_reads(args: &[&str], read: &str, looks: &[&str], beside: i64) {
     let cluster = PgCluster::start_with(&[
@@ -83,12 +89,18 @@ async fn idle_relay_reads(args: &[&str], read: &str, looks: &[&str], beside: i64
     // the relay's first looks at the shares (every 100 ms while they may move) are over
     tokio::time::sleep(Duration::from_secs(2)).await;
     let before = calls_and_plans(&db, read).0;
+    let asked_before = calls_and_plans(&db, QUESTION).0;
     let looks_before: Vec<(i64, i64)> = looks.iter().map(|l| calls_and_plans(&db, l)).collect();
     tokio::time::sleep(Duration::from_secs(3)).await;
     let idle = calls_and_plans(&db, read).0 - before;
     assert!(
         idle <= 10,
         "the relay read {idle} times in 3 s of idleness, polling every 50 ms"
+    );
+    let asked = calls_and_plans(&db, QUESTION).0 - asked_before;
+    assert!(
+        asked <= QUESTIONS,
+        "the relay asked {asked} times in 3 s of idleness, polling every 50 ms"
     );
     // the looks are prepared once per session, and run on their cached plans
     for (look, (calls, plans)) in looks.iter().zip(looks_before) {
@@ -115,11 +127,17 @@ async fn idle_relay_reads(args: &[&str], read: &str, looks: &[&str], beside: i64
     let writer = other_writes(&db, stop.clone());
     tokio::time::sleep(Duration::from_millis(500)).await;
     let before = calls_and_plans(&db, read).0;
+    let asked_before = calls_and_plans(&db, QUESTION).0;
     tokio::time::sleep(Duration::from_secs(3)).await;
     let idle = calls_and_plans(&db, read).0 - before;
     assert!(
         idle <= beside,
         "the relay read {idle} times in 3 s beside other writes, polling every 50 ms"
+    );
+    let asked = calls_and_plans(&db, QUESTION).0 - asked_before;
+    assert!(
+        asked <= QUESTIONS,
+        "the relay asked {asked} times in 3 s beside other writes, polling every 50 ms"
     );
     // a row whose transaction id is an earlier transaction's: the question by transaction id
     // does not see it come, the relay's read at least once a second does
@@ -148,6 +166,8 @@ async fn an_idle_relay_reads_its_partitions_again_only_after_a_transaction_ended
 
 // 53 and 54. An idle unordered worker's poll was a transaction of three statements (BEGIN,
 // the claim, COMMIT), each worker's every `--poll-interval`; it asks the same question first.
+// 56. Each worker asked it at each of its polls (two workers: about 120 questions in 3 s); the
+// workers of a relay now share it, and one asks per poll interval.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_unordered_workers_claim_again_only_after_a_transaction_ended() {
     idle_relay_reads(&["--mode", "unordered", "--workers", "2"], CLAIM, &[], 14).await;

@@ -220,6 +220,7 @@ impl Relay {
                 tasks.spawn(ordered.run().instrument(info_span!("outbox.ordered")));
             }
             Mode::Unordered(mode) => {
+                let question = Arc::new(unordered::Question::default());
                 for worker in 0..mode.workers {
                     let unordered = UnorderedWorker {
                         cfg: cfg.clone(),
@@ -227,6 +228,7 @@ impl Relay {
                         reconciler: reconciler.clone(),
                         health: self.health.clone(),
                         shutdown: shutdown.clone(),
+                        question: question.clone(),
                     };
                     tasks.spawn(
                         unordered

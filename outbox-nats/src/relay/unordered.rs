@@ -10,11 +10,12 @@
 //! whether the table holds rows of transactions it did not see) and claims again only when
 //! they may have, or, while the snapshot moves, a second after its last claim
 //! (`QUIET_READ_EVERY`), which finds rows the question does not see, such as rows a worker that
-//! failed unlocked.
+//! failed unlocked. The workers of one relay share the question ([`Question`]): one asks per
+//! poll interval, and the others take its answer while it is that nothing came.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use diesel_async::{AsyncConnection, AsyncPgConnection};
@@ -34,6 +35,87 @@ pub(crate) struct UnorderedWorker {
     pub(crate) reconciler: Arc<Reconciler>,
     pub(crate) health: Arc<Health>,
     pub(crate) shutdown: CancellationToken,
+    /// The question the relay's workers share.
+    pub(crate) question: Arc<Question>,
+}
+
+/// The idle poll's question, shared by the workers of one relay: each worker asked it at each
+/// of its polls, so that `--workers 4` asked four times as often as one worker, on a quiet
+/// database too. A worker's poll now takes the answer another worker's poll (or claim) had
+/// within the poll interval when it was that nothing came, or leaves the question to the worker
+/// asking it now (which claims if rows came), and asks only otherwise; an answer that rows may
+/// have come is not shared (each worker asks, and claims, for itself). No lock is held while a
+/// worker asks: one whose session hangs holds the others back for a poll interval at most.
+#[derive(Debug, Default)]
+pub(crate) struct Question {
+    asked: std::sync::Mutex<Asked>,
+}
+
+#[derive(Debug, Default)]
+struct Asked {
+    /// After the latest claim that found nothing (and that followed a question), what the
+    /// question knows: the snapshot asked for before it, and the latest one nothing came at.
+    quiet: Option<db::QuietSince>,
+    /// Which claim set `quiet` (a count): what a question learned is kept only if no claim
+    /// set it again meanwhile.
+    base: u64,
+    /// When a poll or a claim last found that nothing came.
+    nothing_at: Option<Instant>,
+    /// When the question in flight was asked, if one is: the workers' polls that come
+    /// meanwhile leave it to that worker, which claims if rows came.
+    asking_at: Option<Instant>,
+}
+
+impl Question {
+    fn asked(&self) -> std::sync::MutexGuard<'_, Asked> {
+        self.asked.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether to claim: `None` when nothing can have come since the latest claim that found
+    /// nothing, or the snapshot to keep should the claim find nothing. Another worker's answer
+    /// that nothing came holds for `fresh` (the poll interval). `answered` is set to when this
+    /// worker's session was asked, if it was.
+    async fn ask(
+        &self,
+        conn: &mut AsyncPgConnection,
+        table: &outbox_diesel::OutboxTable,
+        fresh: Duration,
+        answered: &mut Option<Instant>,
+    ) -> diesel::QueryResult<Option<String>> {
+        let started = Instant::now();
+        let (quiet, base) = {
+            let mut asked = self.asked();
+            let recent = |at: Option<Instant>| at.is_some_and(|at| at.elapsed() < fresh);
+            if recent(asked.nothing_at) || recent(asked.asking_at) {
+                return Ok(None);
+            }
+            asked.asking_at = Some(started);
+            (asked.quiet.clone(), asked.base)
+        };
+        let answer = match quiet {
+            Some(mut q) => q.ask(conn, table, &[]).await.map(|a| (a, Some(q))),
+            None => db::current_snapshot(conn).await.map(|s| (Some(s), None)),
+        };
+        let mut asked = self.asked();
+        asked.asking_at = None;
+        let (answer, learned) = answer?;
+        *answered = Some(started);
+        if answer.is_none() {
+            asked.nothing_at = Some(started);
+        }
+        if asked.base == base && learned.is_some() {
+            asked.quiet = learned;
+        }
+        Ok(answer)
+    }
+
+    /// A claim after `snapshot` was taken found nothing: the base of the next questions.
+    fn found_nothing(&self, snapshot: String) {
+        let mut asked = self.asked();
+        asked.quiet = Some(db::QuietSince::new(snapshot));
+        asked.base += 1;
+        asked.nothing_at = Some(Instant::now());
+    }
 }
 
 impl Session for UnorderedWorker {
@@ -70,24 +152,27 @@ impl UnorderedWorker {
         let mut average_payload = 0;
         // the last batch published: commits right after it may not have been notified
         let mut found = None;
-        // after a claim that found nothing, the snapshot asked for before it; and whether to
-        // ask (an idle poll, not a writer's notification nor within the linger)
-        let mut quiet: Option<db::QuietSince> = None;
+        // whether to ask the shared question before claiming (an idle poll, not a writer's
+        // notification nor within the linger)
         let mut ask = false;
         while !self.shutdown.is_cancelled() {
-            // no row came since the snapshot asked for before a claim that found nothing: the
+            // nothing came since the snapshot asked for before a claim that found nothing: the
             // claim would find nothing again (a row it skipped was locked by a worker, which
             // publishes it or claims it again; one unlocked otherwise waits for the claim that
             // runs at least once a second while the snapshot moves)
             let asked = if ask {
-                let started = Instant::now();
-                let asked = match quiet.as_mut() {
-                    Some(q) => q.ask(conn, &cfg.table, &[]).await?,
-                    None => Some(db::current_snapshot(conn).await?),
-                };
-                lease.confirm(started);
+                let mut answered = None;
+                let asked = self
+                    .question
+                    .ask(conn, &cfg.table, cfg.poll_interval, &mut answered)
+                    .await?;
+                if let Some(started) = answered {
+                    lease.confirm(started);
+                }
                 if asked.is_none() {
                     self.health.progressed();
+                    // a worker that takes the others' answers still keeps its session
+                    lease.renew_if_due(conn).await?;
                     ask = self.idle(conn, found).await;
                     continue;
                 }
@@ -138,12 +223,13 @@ impl UnorderedWorker {
                     Ok(Some(end))
                 })
                 .await?;
-            quiet = None;
             ask = false;
             match end {
                 None => {
                     self.health.progressed();
-                    quiet = asked.map(db::QuietSince::new);
+                    if let Some(snapshot) = asked {
+                        self.question.found_nothing(snapshot);
+                    }
                     ask = self.idle(conn, found).await;
                 }
                 Some(BatchEnd::Done) => {
