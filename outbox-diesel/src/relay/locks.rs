@@ -8,6 +8,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use crate::OutboxTable;
 
+use super::prepared::Prepared;
 use super::{Flag, Partition};
 
 /// The first key of the lock that makes a relay the reader of a slot ([`AdvisoryLock::Slot`]).
@@ -79,40 +80,58 @@ impl AdvisoryLock<'_> {
         }
     }
 
+    /// Calls the advisory lock `function` on this lock's key: a statement of fixed text for
+    /// each function and kind, prepared once per session (a relay tries the partitions'
+    /// locks at its looks while the shares move, a standby the slot's at each of its looks).
     async fn call(&self, conn: &mut AsyncPgConnection, function: &str) -> QueryResult<bool> {
+        let call = format!("SELECT {function}(");
         let f: Flag = match *self {
             Self::Partition(table, partition) => {
-                diesel::sql_query(format!(
-                    "SELECT {function}(to_regclass($1)::oid::int, $2) AS flag"
-                ))
-                .bind::<Text, _>(table.quoted())
-                .bind::<Integer, _>(partition.index as i32)
+                let (quoted, index) = (table.quoted(), partition.index.to_string());
+                Prepared {
+                    pieces: &[
+                        &format!("{call}to_regclass("),
+                        ")::oid::int, ",
+                        "::int4) AS flag",
+                    ],
+                    binds: &[&quoted, &index],
+                }
                 .get_result(conn)
                 .await?
             }
             Self::Slot(slot) => {
-                diesel::sql_query(format!(
-                    "SELECT {function}({SLOT_LOCK_KEY}, hashtext($1)) AS flag"
-                ))
-                .bind::<Text, _>(slot)
+                Prepared {
+                    pieces: &[&format!("{call}{SLOT_LOCK_KEY}, hashtext("), ")) AS flag"],
+                    binds: &[slot],
+                }
                 .get_result(conn)
                 .await?
             }
             Self::Statistics(table) => {
-                diesel::sql_query(format!(
-                    "SELECT {function}($2, to_regclass($1)::oid::int) AS flag"
-                ))
-                .bind::<Text, _>(table.quoted())
-                .bind::<Integer, _>(STATISTICS_LOCK_KEY)
+                let quoted = table.quoted();
+                Prepared {
+                    pieces: &[
+                        &format!("{call}{STATISTICS_LOCK_KEY}, to_regclass("),
+                        ")::oid::int) AS flag",
+                    ],
+                    binds: &[&quoted],
+                }
                 .get_result(conn)
                 .await?
             }
             Self::PartitionCount(table, partitions) => {
-                diesel::sql_query(format!(
-                    "SELECT {function}((to_regclass($1)::oid::bigint << 32) | $2) AS flag"
-                ))
-                .bind::<Text, _>(table.quoted())
-                .bind::<BigInt, _>(COUNT_KEY | i64::from(partitions))
+                let (quoted, key) = (
+                    table.quoted(),
+                    (COUNT_KEY | i64::from(partitions)).to_string(),
+                );
+                Prepared {
+                    pieces: &[
+                        &format!("{call}(to_regclass("),
+                        ")::oid::bigint << 32) | ",
+                        "::int8) AS flag",
+                    ],
+                    binds: &[&quoted, &key],
+                }
                 .get_result(conn)
                 .await?
             }
