@@ -4,20 +4,6 @@ use super::*;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use support::servers::PgCluster;
-
-/// How many times the statements matching `pattern` (`LIKE`) ran on `db`'s server so far, and
-/// how many times they were planned (`pg_stat_statements`).
-fn calls_and_plans(db: &TestDb, pattern: &str) -> (i64, i64) {
-    let counts = |what: &str| {
-        db.scalar(&format!(
-            "SELECT COALESCE(sum({what}), 0)::int8 FROM pg_stat_statements \
-             WHERE query LIKE '{pattern}'"
-        ))
-    };
-    (counts("calls"), counts("plans"))
-}
-
 /// The ordered relay's batch statement.
 const BATCH: &str = "WITH cur AS MATERIALIZED%";
 /// The unordered workers' claim.
@@ -61,13 +47,7 @@ fn other_writes(db: &TestDb, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<(
 /// `QUESTIONS` times. A row that carries an earlier transaction's id (a copy) is published
 /// within 2 s all the same.
 async fn idle_relay_reads(args: &[&str], read: &str, looks: &[&str], beside: i64) {
-    let cluster = PgCluster::start_with(&[
-        "shared_preload_libraries=pg_stat_statements",
-        "pg_stat_statements.track=all",
-        "pg_stat_statements.track_planning=on",
-    ]);
-    let db = TestDb::on(&cluster.base_url());
-    db.execute("CREATE EXTENSION pg_stat_statements", "pg_stat_statements");
+    let (_cluster, db) = TestDb::counting_statements();
     let stream = TestStream::new();
     // the backlog figures' reading (a NOTIFY, which ends a transaction) out of the way
     let mut args = args.to_vec();
@@ -88,16 +68,16 @@ async fn idle_relay_reads(args: &[&str], read: &str, looks: &[&str], beside: i64
     .expect("insert in the open transaction");
     // the relay's first looks at the shares (every 100 ms while they may move) are over
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let before = calls_and_plans(&db, read).0;
-    let asked_before = calls_and_plans(&db, QUESTION).0;
-    let looks_before: Vec<(i64, i64)> = looks.iter().map(|l| calls_and_plans(&db, l)).collect();
+    let before = db.calls_and_plans(read).0;
+    let asked_before = db.calls_and_plans(QUESTION).0;
+    let looks_before: Vec<(i64, i64)> = looks.iter().map(|l| db.calls_and_plans(l)).collect();
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let idle = calls_and_plans(&db, read).0 - before;
+    let idle = db.calls_and_plans(read).0 - before;
     assert!(
         idle <= 10,
         "the relay read {idle} times in 3 s of idleness, polling every 50 ms"
     );
-    let asked = calls_and_plans(&db, QUESTION).0 - asked_before;
+    let asked = db.calls_and_plans(QUESTION).0 - asked_before;
     assert!(
         asked <= QUESTIONS,
         "the relay asked {asked} times in 3 s of idleness, polling every 50 ms"
@@ -105,7 +85,7 @@ async fn idle_relay_reads(args: &[&str], read: &str, looks: &[&str], beside: i64
     // the looks are prepared once per session, and run on their cached plans
     for (look, (calls, plans)) in looks.iter().zip(looks_before) {
         let (calls, plans) = {
-            let (c, p) = calls_and_plans(&db, look);
+            let (c, p) = db.calls_and_plans(look);
             (c - calls, p - plans)
         };
         assert!(
@@ -126,15 +106,15 @@ async fn idle_relay_reads(args: &[&str], read: &str, looks: &[&str], beside: i64
     let stop = Arc::new(AtomicBool::new(false));
     let writer = other_writes(&db, stop.clone());
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let before = calls_and_plans(&db, read).0;
-    let asked_before = calls_and_plans(&db, QUESTION).0;
+    let before = db.calls_and_plans(read).0;
+    let asked_before = db.calls_and_plans(QUESTION).0;
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let idle = calls_and_plans(&db, read).0 - before;
+    let idle = db.calls_and_plans(read).0 - before;
     assert!(
         idle <= beside,
         "the relay read {idle} times in 3 s beside other writes, polling every 50 ms"
     );
-    let asked = calls_and_plans(&db, QUESTION).0 - asked_before;
+    let asked = db.calls_and_plans(QUESTION).0 - asked_before;
     assert!(
         asked <= QUESTIONS,
         "the relay asked {asked} times in 3 s beside other writes, polling every 50 ms"

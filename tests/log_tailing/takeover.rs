@@ -209,33 +209,22 @@ async fn a_standby_takes_the_slot_at_once_when_the_reader_stops() {
 /// `sql_query`, sent, parsed and planned again at every look.
 #[tokio::test]
 async fn a_standby_tries_the_slots_lock_on_its_cached_plan() {
-    let cluster = support::servers::PgCluster::start_with(&[
-        "shared_preload_libraries=pg_stat_statements",
-        "pg_stat_statements.track=all",
-        "pg_stat_statements.track_planning=on",
-    ]);
-    let db = TestDb::on(&cluster.base_url());
-    db.execute("CREATE EXTENSION pg_stat_statements", "pg_stat_statements");
+    let (_cluster, db) = TestDb::counting_statements();
     let stream = TestStream::new();
     let slot = Slot::new(&db);
     let _a = relay("relay-a", &db, &stream, &slot, &[]);
     let reader = wait_reader(&db, &slot).await;
     let _b = relay("relay-b", &db, &stream, &slot, &[]);
-    let tries = |what: &str| {
-        db.scalar(&format!(
-            "SELECT COALESCE(sum({what}), 0)::int8 FROM pg_stat_statements \
-             WHERE query LIKE 'SELECT pg_try_advisory_lock(%hashtext(%'"
-        ))
-    };
+    let tries = || db.calls_and_plans("SELECT pg_try_advisory_lock(%hashtext(%");
     wait_until(
         Duration::from_secs(30),
         "b tries the slot's lock",
-        || async { tries("calls") >= 2 },
+        || async { tries().0 >= 2 },
     )
     .await;
-    let (calls, plans) = (tries("calls"), tries("plans"));
+    let (calls, plans) = tries();
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let (calls, plans) = (tries("calls") - calls, tries("plans") - plans);
+    let (calls, plans) = (tries().0 - calls, tries().1 - plans);
     assert!(
         calls >= 2 && plans == 0,
         "the standby's tries: {calls} calls, {plans} plans in 3 s"
