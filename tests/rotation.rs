@@ -13,7 +13,8 @@ use outbox_diesel::{OutboxExt, OutboxTable, Rotation, partition_table};
 use support::events::{Changed, changed};
 use support::slot::Slot;
 use support::{
-    Proc, Relay, TestDb, TestStream, by_aggregate, relay_bin, relay_command, wait_until,
+    Proc, Relay, TestDb, TestStream, by_aggregate, relay_bin, relay_command, wait_published,
+    wait_until,
 };
 
 const BLOCK: i64 = 1000;
@@ -103,6 +104,8 @@ async fn a_table_turned_into_a_ring_keeps_its_rows_and_what_reads_them() {
     let mut ids = record(&db, 300, 6, "a");
     let mut relay = Relay::start(relay_command(&db, &stream, &["--no-cleanup"]));
     wait_events(&stream, 300).await;
+    // the acks are in the stream before the relay records them: the record too, then the kill
+    wait_published(&db, 300, Duration::from_secs(30)).await;
     relay.proc.kill();
     ids.extend(record(&db, 900, 6, "a"));
     let last_seq = db.scalar("SELECT max(seq) FROM outbox");
