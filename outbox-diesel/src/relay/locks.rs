@@ -84,13 +84,12 @@ impl AdvisoryLock<'_> {
     /// each function and kind, prepared once per session (a relay tries the partitions'
     /// locks at its looks while the shares move, a standby the slot's at each of its looks).
     async fn call(&self, conn: &mut AsyncPgConnection, function: &str) -> QueryResult<bool> {
-        let call = format!("SELECT {function}(");
         let f: Flag = match *self {
             Self::Partition(table, partition) => {
                 let (quoted, index) = (table.quoted(), partition.index.to_string());
                 Prepared {
                     pieces: &[
-                        &format!("{call}to_regclass("),
+                        &format!("SELECT {function}(to_regclass("),
                         ")::oid::int, ",
                         "::int4) AS flag",
                     ],
@@ -101,7 +100,10 @@ impl AdvisoryLock<'_> {
             }
             Self::Slot(slot) => {
                 Prepared {
-                    pieces: &[&format!("{call}{SLOT_LOCK_KEY}, hashtext("), ")) AS flag"],
+                    pieces: &[
+                        &format!("SELECT {function}({SLOT_LOCK_KEY}, hashtext("),
+                        ")) AS flag",
+                    ],
                     binds: &[slot],
                 }
                 .get_result(conn)
@@ -111,7 +113,7 @@ impl AdvisoryLock<'_> {
                 let quoted = table.quoted();
                 Prepared {
                     pieces: &[
-                        &format!("{call}{STATISTICS_LOCK_KEY}, to_regclass("),
+                        &format!("SELECT {function}({STATISTICS_LOCK_KEY}, to_regclass("),
                         ")::oid::int) AS flag",
                     ],
                     binds: &[&quoted],
@@ -126,7 +128,7 @@ impl AdvisoryLock<'_> {
                 );
                 Prepared {
                     pieces: &[
-                        &format!("{call}(to_regclass("),
+                        &format!("SELECT {function}((to_regclass("),
                         ")::oid::bigint << 32) | ",
                         "::int8) AS flag",
                     ],

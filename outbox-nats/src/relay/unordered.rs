@@ -73,14 +73,14 @@ impl Question {
 
     /// Whether to claim: `None` when nothing can have come since the latest claim that found
     /// nothing, or the snapshot to keep should the claim find nothing. Another worker's answer
-    /// that nothing came holds for `fresh` (the poll interval). `answered` is set to when this
-    /// worker's session was asked, if it was.
+    /// that nothing came holds for `fresh` (the poll interval). When this worker's session
+    /// answers, its `lease` is confirmed.
     async fn ask(
         &self,
         conn: &mut AsyncPgConnection,
         table: &outbox_diesel::OutboxTable,
         fresh: Duration,
-        answered: &mut Option<Instant>,
+        lease: &Lease,
     ) -> diesel::QueryResult<Option<String>> {
         let started = Instant::now();
         let (quiet, base) = {
@@ -99,7 +99,7 @@ impl Question {
         let mut asked = self.asked();
         asked.asking_at = None;
         let (answer, learned) = answer?;
-        *answered = Some(started);
+        lease.confirm(started);
         if answer.is_none() {
             asked.nothing_at = Some(started);
         }
@@ -161,14 +161,10 @@ impl UnorderedWorker {
             // publishes it or claims it again; one unlocked otherwise waits for the claim that
             // runs at least once a second while the snapshot moves)
             let asked = if ask {
-                let mut answered = None;
                 let asked = self
                     .question
-                    .ask(conn, &cfg.table, cfg.poll_interval, &mut answered)
+                    .ask(conn, &cfg.table, cfg.poll_interval, &lease)
                     .await?;
-                if let Some(started) = answered {
-                    lease.confirm(started);
-                }
                 if asked.is_none() {
                     self.health.progressed();
                     // a worker that takes the others' answers still keeps its session
