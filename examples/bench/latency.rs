@@ -14,7 +14,8 @@ impl Bench {
         println!("| rate | wake-up | p50 ms | p99 ms | max ms | PostgreSQL CPU µs per event |");
         println!("|---|---|---|---|---|---|");
         let logical = self.wal_level()? == "logical";
-        for rate in [1000u32, 5000] {
+        let rates = self.args.rates.clone();
+        for rate in rates {
             for wake in [
                 Wake::Notify,
                 Wake::NotifyNoLinger,
@@ -29,6 +30,9 @@ impl Bench {
                     Wake::Poll => "poll only, 100 ms, 10 ms linger",
                     Wake::Tailing => "log tailing (the replication stream pushes each commit)",
                 };
+                if !self.args.wakes.is_empty() && !self.args.wakes.contains(&wake) {
+                    continue;
+                }
                 if wake == Wake::Tailing && !logical {
                     println!("| {rate}/s | {how} | skipped: `wal_level` is not `logical` | | | |");
                     continue;
@@ -90,6 +94,7 @@ impl Bench {
         let cpu_before = cpu_snapshot();
         let duration = Duration::from_secs(self.args.seconds.max(3));
         let total = (rate as u64 * duration.as_secs()) as usize;
+        let started = Instant::now();
         // writers: 4 threads sharing the rate
         let writers: Vec<_> = (0..4)
             .map(|w| {
@@ -118,47 +123,51 @@ impl Bench {
                 })
             })
             .collect();
-        let mut latencies = Vec::with_capacity(total);
+        // each message's id and arrival; matched with the commits once the writers are done
+        // (a subscriber that waited for a commit's record held every message behind it)
+        let mut arrivals = Vec::with_capacity(total);
         let deadline = Instant::now() + duration + Duration::from_secs(30);
-        while latencies.len() < total && Instant::now() < deadline {
+        while arrivals.len() < total && Instant::now() < deadline {
             let Ok(Some(msg)) = tokio::time::timeout(Duration::from_secs(5), sub.next()).await
             else {
                 break;
             };
             let now = Instant::now();
-            let Some(id) = msg
-                .headers
-                .as_ref()
-                .and_then(|h| h.get("Nats-Msg-Id"))
-                .map(|v| v.to_string())
-            else {
-                continue;
-            };
-            // the commit is recorded just after it returns: wait for it when the message wins
-            let mut at = None;
-            for _ in 0..100 {
-                at = committed
-                    .lock()
-                    .map_err(|_| anyhow::anyhow!("poisoned"))?
-                    .get(&id)
-                    .copied();
-                if at.is_some() {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_micros(100)).await;
-            }
-            if let Some(at) = at {
-                latencies.push(now.saturating_duration_since(at).as_secs_f64() * 1000.0);
+            if let Some(id) = msg.headers.as_ref().and_then(|h| h.get("Nats-Msg-Id")) {
+                arrivals.push((id.to_string(), now));
             }
         }
         for w in writers {
             w.join().map_err(|_| anyhow::anyhow!("writer panicked"))??;
+        }
+        let committed =
+            std::mem::take(&mut *committed.lock().map_err(|_| anyhow::anyhow!("poisoned"))?);
+        let mut latencies = Vec::with_capacity(total);
+        // (seconds from the start to the commit, ms to the message), for --latency-trace
+        let mut trace = Vec::new();
+        for (id, arrived) in arrivals {
+            if let Some(at) = committed.get(&id) {
+                let ms = arrived.saturating_duration_since(*at).as_secs_f64() * 1000.0;
+                latencies.push(ms);
+                trace.push((at.saturating_duration_since(started).as_secs_f64(), ms));
+            }
         }
         let cpu = CpuUse::between(&cpu_before, &cpu_snapshot(), total, &[]);
         shutdown.cancel();
         relay.await??;
         if wake == Wake::Tailing {
             self.drop_slot(&slot)?;
+        }
+        if let Some(path) = &self.args.latency_trace {
+            use std::io::Write;
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)?;
+            trace.sort_by(|a, b| a.0.total_cmp(&b.0));
+            for (at, ms) in trace {
+                writeln!(f, "{rate}/{tag} {at:.4} {ms:.3}")?;
+            }
         }
         latencies.sort_by(|a, b| a.total_cmp(b));
         if latencies.is_empty() {
@@ -176,7 +185,7 @@ impl Bench {
 }
 
 /// How the relay of a latency run learns of a commit.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub(super) enum Wake {
     /// A polling relay woken by the recording side's `NOTIFY`.
     Notify,

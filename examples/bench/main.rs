@@ -16,7 +16,8 @@
 //!    processes against a bare async-nats program publishing the same messages with the same
 //!    headers and window, with the CPU each process spent per event;
 //! 2. commit-to-ack latency at a steady rate of committed transactions, with `NOTIFY` wake-up,
-//!    poll-only, and log tailing;
+//!    poll-only, and log tailing (`--rates`, `--wakes` pick runs; `--latency-trace FILE` writes
+//!    each event's latency with its commit's time in the run, to tell stalls from queues);
 //! 3. write-path cost: business transactions per second alone, with a hand-written Diesel insert
 //!    of the outbox row, and with `record_event` (sync and async), 8 writers;
 //! 4. the poll query's time with published rows kept and with an unpublished backlog;
@@ -114,6 +115,18 @@ struct Args {
     /// (`outbox_diesel::partition_table`, blocks of 1,000,000 rows), and every run of section 1.
     #[arg(long)]
     rotated: bool,
+    /// Section 2's rates (committed transactions a second), comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1000,5000")]
+    rates: Vec<u32>,
+    /// Only section 2's runs of these wake-ups, comma-separated: `notify`, `notify-no-linger`,
+    /// `poll`, `tailing`.
+    #[arg(long, value_delimiter = ',', value_enum)]
+    wakes: Vec<latency::Wake>,
+    /// A file that section 2 writes each event's latency to, one line each: the run, the
+    /// seconds from the run's start to the commit, and the milliseconds to the message (to
+    /// see whether a p99 comes from stalls at intervals or from a queue).
+    #[arg(long)]
+    latency_trace: Option<std::path::PathBuf>,
     /// Only these sections (1-6), comma-separated.
     #[arg(long, value_delimiter = ',')]
     only: Vec<u8>,
