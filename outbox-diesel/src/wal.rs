@@ -456,6 +456,23 @@ impl WalReader {
             st.client.abort();
         }
     }
+
+    /// Waits until the replication connection has something for the next read (a message, or
+    /// its end), or until `until`; `true` when it has. The message is kept for that read.
+    /// Cancel-safe: a caller may wait on it beside other work (the acks of what it sent) and
+    /// read as soon as either comes, where a read that found nothing would have had it wait
+    /// for that work alone. Without a replication connection (before the first read, after
+    /// [`WalReader::rewind`]) it waits until `until` and returns `false`: the next read
+    /// connects.
+    pub async fn wait_readable(&mut self, until: tokio::time::Instant) -> bool {
+        match self.stream.as_mut() {
+            Some(st) => st.wait_readable(until).await,
+            None => {
+                tokio::time::sleep_until(until).await;
+                false
+            }
+        }
+    }
 }
 
 /// Whether a slot confirmed at `confirmed` is past the transaction whose commit record starts

@@ -3,7 +3,8 @@
 //! processes; each test has its own database, stream and (cluster-wide unique) slot.
 //!
 //! A module per subject: `delivery`, `cleanup`, `takeover`, `operations`, `sessions`,
-//! `switching`; what more than one uses is here.
+//! `switching`, and `reads` (the reader's reads, without a relay); what more than one uses is
+//! here.
 
 #[path = "../support/mod.rs"]
 mod support;
@@ -11,6 +12,7 @@ mod support;
 mod cleanup;
 mod delivery;
 mod operations;
+mod reads;
 mod sessions;
 mod switching;
 mod takeover;

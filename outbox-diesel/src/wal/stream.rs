@@ -2,6 +2,9 @@
 //! (`START_REPLICATION`), transactions received as they commit and handed over in parts
 //! within the read's limits, positions confirmed by standby status updates.
 
+use std::future::Future;
+use std::task::Poll;
+
 use super::decode::Captured;
 use super::error::server_sqlstate;
 use super::slot::end_stale_sender;
@@ -31,6 +34,53 @@ pub(super) struct Stream {
     /// The end of the last commit received (of any transaction), or the server's position
     /// from a keepalive between transactions: everything before it was received.
     received_to: Option<Lsn>,
+    /// What [`Stream::wait_readable`] received, for the next read to take first.
+    ahead: Option<Received>,
+}
+
+/// What the replication client's `recv` returns.
+type Received = pgwire_replication::Result<Option<pgwire_replication::ReplicationEvent>>;
+
+impl Stream {
+    /// See [`WalReader::wait_readable`].
+    pub(super) async fn wait_readable(&mut self, until: tokio::time::Instant) -> bool {
+        if self.ahead.is_some() {
+            return true;
+        }
+        // `recv` is cancel-safe (a channel's), and what it returned is kept before any
+        // other await
+        match tokio::time::timeout_at(until, self.client.recv()).await {
+            Ok(received) => {
+                self.ahead = Some(received);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// The next event: the one received ahead, or one that arrives by `until`; with `until`
+    /// past, only one that has arrived. (A timer whose deadline has passed fires at the
+    /// timer's next tick, up to a millisecond later: a read that took what had arrived that
+    /// way kept taking the events of a steady stream, one every fraction of a millisecond,
+    /// up to its limits, and held the first ones for tens of milliseconds.)
+    async fn next_event(&mut self, until: tokio::time::Instant) -> Option<Received> {
+        if let Some(received) = self.ahead.take() {
+            return Some(received);
+        }
+        // once the worker has ended, `recv` goes on from the channel's end to the worker's
+        // outcome (its error): that is awaited, never polled once and dropped
+        if until <= tokio::time::Instant::now() && self.client.is_running() {
+            // polled once: `recv` is cancel-safe (a channel's)
+            let mut recv = std::pin::pin!(self.client.recv());
+            return match std::future::poll_fn(|cx| Poll::Ready(recv.as_mut().poll(cx))).await {
+                Poll::Ready(received) => Some(received),
+                Poll::Pending => None,
+            };
+        }
+        tokio::time::timeout_at(until, self.client.recv())
+            .await
+            .ok()
+    }
 }
 
 /// The password is never shown.
@@ -154,13 +204,13 @@ impl WalReader {
             } else {
                 tokio::time::Instant::now()
             };
-            let event = match tokio::time::timeout_at(until, st.client.recv()).await {
-                Err(_) => return Ok((transactions, messages, true)),
-                Ok(Ok(Some(e))) => e,
-                Ok(Ok(None)) => {
+            let event = match st.next_event(until).await {
+                None => return Ok((transactions, messages, true)),
+                Some(Ok(Some(e))) => e,
+                Some(Ok(None)) => {
                     return Err(self.stream_error("the server ended the replication stream"));
                 }
-                Ok(Err(e)) => return Err(self.stream_error(e)),
+                Some(Err(e)) => return Err(self.stream_error(e)),
             };
             match event {
                 Event::Begin {
@@ -250,6 +300,7 @@ impl WalReader {
                         client,
                         open: None,
                         received_to: None,
+                        ahead: None,
                     });
                     tracing::debug!(slot = %self.slot, lsn = %self.acked, "replication stream started");
                     return Ok(());

@@ -390,6 +390,22 @@ impl<'a> Pipeline<'a> {
         }
     }
 
+    /// Takes the acks that have arrived, from the oldest in flight on, without waiting.
+    pub(crate) fn take_arrived(&mut self) {
+        while let Some(msg) = self.inbox.try_next() {
+            file_ack(&mut self.sent, msg);
+        }
+        while let Some(front) = self.sent.front_mut() {
+            let Some(result) = front.ack.take() else {
+                return;
+            };
+            if let Some(sent) = self.sent.pop_front() {
+                self.in_flight_bytes = self.in_flight_bytes.saturating_sub(sent.bytes);
+                self.on_ack(sent, result);
+            }
+        }
+    }
+
     /// Waits for every ack in flight.
     pub(crate) async fn drain(&mut self) {
         while !self.sent.is_empty() {

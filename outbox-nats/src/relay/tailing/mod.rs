@@ -289,8 +289,20 @@ impl TailingRelay {
                         self.health.progressed();
                     }
                     window.caught_up_to = window.caught_up_to.max(batch.caught_up_to);
-                    // nothing new: let the acks in flight arrive
-                    lease.keep_alive(conn, pipe.drain()).await?;
+                    // nothing new: wait for the next ack or the next transaction, whichever
+                    // comes first (waiting for every ack in flight let the commits meanwhile
+                    // wait for the slowest of them, and come in bursts)
+                    if !pipe.is_empty() {
+                        let until = tokio::time::Instant::now() + cfg.poll_interval;
+                        let next = async {
+                            tokio::select! {
+                                () = pipe.next_ack() => {}
+                                _ = reader.wait_readable(until) => {}
+                            }
+                            pipe.take_arrived();
+                        };
+                        lease.keep_alive(conn, next).await?;
+                    }
                 }
                 if !pipe.stopped() {
                     self.confirm(conn, reader, &mut window, &mut pipe, &mut state)
