@@ -404,7 +404,8 @@ impl WalReader {
     /// [`WalReader::read`], stopping also once the messages read hold `max_bytes` (a streaming
     /// reader, even inside a transaction: it holds no more than that of what it hands over),
     /// and waiting up to `wait` instead of the configured time for the first message
-    /// (`Duration::ZERO`: only what has arrived). A reader made without
+    /// (`Duration::ZERO`: only what has arrived; the messages that come within a millisecond
+    /// of the first are taken with it). A reader made without
     /// [`WalReader::streaming`] refuses ([`WalError::NotStreaming`]).
     pub async fn read_within(
         &mut self,

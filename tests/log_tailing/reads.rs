@@ -1,5 +1,5 @@
-//! The streaming reader's reads against a real slot: a read takes what has arrived without
-//! waiting for more, and a wait for the next message loses nothing.
+//! The streaming reader's reads against a real slot: a read of what has arrived does not go
+//! on with a steady stream, and a wait for the next message loses nothing.
 
 use diesel_async::AsyncPgConnection;
 use outbox_diesel::OutboxTable;
@@ -39,10 +39,10 @@ async fn read_transaction(reader: &mut WalReader, conn: &mut AsyncPgConnection) 
 }
 
 /// A read of what has arrived (`wait` zero) while commits keep coming, a fraction of a
-/// millisecond apart: it returns what was there, not whatever more came within a timer's tick
-/// of each message. It took each message that came within a millisecond of the one before,
-/// so a read went on for as long as the writers did, up to its limits, and held the first
-/// transactions it had read for that long.
+/// millisecond apart: it returns what was there and what came within a millisecond. It took
+/// each message that came within a timer's tick of the one before, with no bound, so a read
+/// went on for as long as the messages kept coming that close, up to its limits, and held the
+/// first transactions it had read for that long.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_read_of_what_has_arrived_returns_while_commits_keep_coming() {
     let db = TestDb::new();
@@ -92,11 +92,12 @@ async fn a_read_of_what_has_arrived_returns_while_commits_keep_coming() {
         committed > 1_000 && read > 500,
         "the writers kept committing ({committed} transactions, {read} read)"
     );
-    // about 0.5 ms on this machine; 6-7 ms (the slowest 35-69 ms) when a read took each
-    // message that came within a timer's tick of the one before
+    // about 1.7 ms on this machine (a read takes what comes within a millisecond of its first
+    // message; the slowest 4-5 ms); 6-7 ms (the slowest 35-69 ms) when a read took each
+    // message that came within a timer's tick of the one before, with no bound
     let mean = reading / reads;
     assert!(
-        mean < Duration::from_millis(3),
+        mean < Duration::from_micros(3_500),
         "a read of what had arrived took {mean:?} on average, the slowest {slowest:?} ({reads} reads, {read} transactions) while commits kept coming"
     );
     reader.close(&mut conn).await.expect("closed");
