@@ -172,10 +172,9 @@ impl WalReader {
 
     /// Receives until `limit` messages or `max_bytes` of them, or until nothing more comes
     /// within [`GATHER`] of the first message (waited for up to `cfg.wait`). A limit reached
-    /// inside a
-    /// transaction hands over its events received so far as a part; the rest follows on later
-    /// reads. Returns the transactions (and parts) with events, the messages received, and
-    /// whether it stopped for want of more.
+    /// inside a transaction hands over its events received so far as a part; the rest follows
+    /// on later reads. Returns the transactions (and parts) with events, the messages
+    /// received, and whether it stopped for want of more.
     pub(super) async fn receive(
         &mut self,
         st: &mut Stream,

@@ -357,19 +357,27 @@ impl<'a> Pipeline<'a> {
         true
     }
 
+    /// Settles the oldest row in flight if its ack has arrived; whether it did.
+    fn settle_front(&mut self) -> bool {
+        let Some(result) = self.sent.front_mut().and_then(|front| front.ack.take()) else {
+            return false;
+        };
+        if let Some(sent) = self.sent.pop_front() {
+            self.in_flight_bytes = self.in_flight_bytes.saturating_sub(sent.bytes);
+            self.on_ack(sent, result);
+        }
+        true
+    }
+
     /// Waits for the oldest ack in flight, if any (taking the acks that arrived meanwhile).
     pub(crate) async fn next_ack(&mut self) {
         loop {
+            if self.settle_front() {
+                return;
+            }
             let Some(front) = self.sent.front_mut() else {
                 return;
             };
-            if let Some(result) = front.ack.take() {
-                if let Some(sent) = self.sent.pop_front() {
-                    self.in_flight_bytes = self.in_flight_bytes.saturating_sub(sent.bytes);
-                    self.on_ack(sent, result);
-                }
-                return;
-            }
             match self.inbox.next(front.deadline).await {
                 Answer::Message(msg) => {
                     file_ack(&mut self.sent, msg);
@@ -395,15 +403,7 @@ impl<'a> Pipeline<'a> {
         while let Some(msg) = self.inbox.try_next() {
             file_ack(&mut self.sent, msg);
         }
-        while let Some(front) = self.sent.front_mut() {
-            let Some(result) = front.ack.take() else {
-                return;
-            };
-            if let Some(sent) = self.sent.pop_front() {
-                self.in_flight_bytes = self.in_flight_bytes.saturating_sub(sent.bytes);
-                self.on_ack(sent, result);
-            }
-        }
+        while self.settle_front() {}
     }
 
     /// Waits for every ack in flight.
