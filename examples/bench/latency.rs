@@ -59,7 +59,6 @@ impl Bench {
         if wake == Wake::Tailing {
             self.create_slot(&slot)?;
         }
-        let committed: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
         let mut sub = self.nats.subscribe(format!("{prefix}.>")).await?;
         let shutdown = CancellationToken::new();
         let nats = async_nats::connect(&self.args.nats_url).await?;
@@ -98,14 +97,16 @@ impl Bench {
         // writers: 4 threads sharing the rate
         let writers: Vec<_> = (0..4)
             .map(|w| {
-                let (url, committed) = (self.db_url.clone(), committed.clone());
+                let url = self.db_url.clone();
                 let outbox = Outbox::default().notify(if listen {
                     Notify::Debounced(Duration::from_millis(10))
                 } else {
                     Notify::Off
                 });
-                std::thread::spawn(move || -> Result<()> {
+                // each commit's event id and when it returned
+                std::thread::spawn(move || -> Result<Vec<(String, Instant)>> {
                     let mut conn = PgConnection::establish(&url)?;
+                    let mut committed = Vec::with_capacity(total / 4 + 1);
                     let interval = Duration::from_secs_f64(4.0 / rate as f64);
                     let start = Instant::now();
                     for i in (w..total).step_by(4) {
@@ -114,12 +115,9 @@ impl Bench {
                             std::thread::sleep(wait);
                         }
                         let id = conn.transaction(|c| c.record_event_in(&outbox, &event(i)))?;
-                        committed
-                            .lock()
-                            .map_err(|_| anyhow::anyhow!("poisoned"))?
-                            .insert(id.to_string(), Instant::now());
+                        committed.push((id.to_string(), Instant::now()));
                     }
-                    Ok(())
+                    Ok(committed)
                 })
             })
             .collect();
@@ -137,21 +135,19 @@ impl Bench {
                 arrivals.push((id.to_string(), now));
             }
         }
+        let mut committed = HashMap::with_capacity(total);
         for w in writers {
-            w.join().map_err(|_| anyhow::anyhow!("writer panicked"))??;
+            committed.extend(w.join().map_err(|_| anyhow::anyhow!("writer panicked"))??);
         }
-        let committed =
-            std::mem::take(&mut *committed.lock().map_err(|_| anyhow::anyhow!("poisoned"))?);
-        let mut latencies = Vec::with_capacity(total);
-        // (seconds from the start to the commit, ms to the message), for --latency-trace
-        let mut trace = Vec::new();
-        for (id, arrived) in arrivals {
-            if let Some(at) = committed.get(&id) {
+        // (seconds from the start to the commit, ms to the message)
+        let mut trace: Vec<(f64, f64)> = arrivals
+            .into_iter()
+            .filter_map(|(id, arrived)| {
+                let at = committed.get(&id)?;
                 let ms = arrived.saturating_duration_since(*at).as_secs_f64() * 1000.0;
-                latencies.push(ms);
-                trace.push((at.saturating_duration_since(started).as_secs_f64(), ms));
-            }
-        }
+                Some((at.saturating_duration_since(started).as_secs_f64(), ms))
+            })
+            .collect();
         let cpu = CpuUse::between(&cpu_before, &cpu_snapshot(), total, &[]);
         shutdown.cancel();
         relay.await??;
@@ -165,10 +161,11 @@ impl Bench {
                 .append(true)
                 .open(path)?;
             trace.sort_by(|a, b| a.0.total_cmp(&b.0));
-            for (at, ms) in trace {
+            for (at, ms) in &trace {
                 writeln!(f, "{rate}/{tag} {at:.4} {ms:.3}")?;
             }
         }
+        let mut latencies: Vec<f64> = trace.into_iter().map(|(_, ms)| ms).collect();
         latencies.sort_by(|a, b| a.total_cmp(b));
         if latencies.is_empty() {
             bail!("no message arrived");

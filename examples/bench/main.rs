@@ -31,7 +31,7 @@
 //! Machines are noisy: compare the ratios, not the absolute figures, across runs.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
