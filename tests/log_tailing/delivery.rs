@@ -218,13 +218,14 @@ async fn one_large_transaction(n: u32, check_order: bool, stall_broker: bool) ->
 }
 
 /// What the relay's peak RSS may grow by with a 1 MiB budget, over its own before the commit:
-/// the part being published and the next (2 MiB), the replication client's buffer of 256
-/// received changes (2.6 MB), their decoded and published copies, and what the allocator keeps
-/// of what was freed on each thread. Measured in a debug build: 9-19 MiB, alone or with the
-/// rest of the suite running (the bound was 40 MiB of the whole process, which 41.4 passed
-/// once). With a 64 MiB budget it grows by 255 MiB: holding the transaction (200 MB, 500 MB in
-/// the long version), or a sixth of it, goes past the bound.
-const LARGE_TRANSACTION_RSS_GROWTH: u64 = 32 << 20;
+/// the part being published and the next (2 MiB), the replication client's buffer of 64
+/// received changes (0.7 MB), their decoded and published copies, and what the allocator keeps
+/// of what was freed on each thread. Measured in a debug build: 4.4-9.5 MiB, alone, beside the
+/// rest of its binary's tests or beside four busy loops; once 41.3 in CI (the bound was 40 MiB
+/// of the whole process, which 41.4 passed once before). With a 64 MiB budget it grows by 255
+/// MiB: holding the transaction (200 MB, 500 MB in the long version), or a third of it, goes
+/// past the bound.
+const LARGE_TRANSACTION_RSS_GROWTH: u64 = 64 << 20;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transaction_longer_than_the_lease_passes_in_bounded_memory() {
@@ -256,10 +257,10 @@ async fn long_a_transaction_of_50000_events_longer_than_the_lease_passes_in_boun
 /// own while the broker is frozen, read by a relay with a 1 MiB `--max-batch-bytes`: it holds
 /// one in flight, and the replication client receives a count of messages ahead of its reads,
 /// sized for small events. With 256 (each such transaction is three messages) the relay's
-/// peak RSS grew by 58.7 MiB while the broker was frozen and by 71.7 in all; with 64, by
-/// 13.9-14.8 and 31-36 (debug build).
+/// peak RSS grew by 50.9-58.7 MiB while the broker was frozen and by 67-74 in all; with 64, by
+/// 13-17 and 27-36 (debug build).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn large_payloads_are_received_ahead_within_the_byte_budget() {
+async fn a_frozen_broker_leaves_few_large_rows_received_ahead() {
     const ROWS: u64 = 300;
     let nats = NatsServer::start();
     let (db, stream) = (TestDb::new(), TestStream::on(&nats.url()));
@@ -289,17 +290,9 @@ async fn large_payloads_are_received_ahead_within_the_byte_budget() {
     tokio::time::sleep(Duration::from_secs(1)).await;
     let held = tail.peak_rss().saturating_sub(before);
     nats.resume();
-    let start = Instant::now();
-    let mut peak = before;
-    while stream.count().await < ROWS {
-        peak = peak.max(tail.peak_rss());
-        assert!(
-            start.elapsed() < Duration::from_secs(120),
-            "not all published"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let grown = peak.max(tail.peak_rss()).saturating_sub(before);
+    wait_count(&stream, ROWS, Duration::from_secs(120)).await;
+    // the peak so far (VmHWM), while the relay runs on
+    let grown = tail.peak_rss().saturating_sub(before);
     println!(
         "{ROWS} rows of 900 KB: relay peak RSS grew by {:.1} MiB while the broker was frozen, by {:.1} MiB in all",
         held as f64 / 1048576.0,
@@ -307,14 +300,14 @@ async fn large_payloads_are_received_ahead_within_the_byte_budget() {
     );
     assert_eq!(stream.count().await, ROWS);
     assert!(
-        held < 32 << 20,
+        held < 40 << 20,
         "peak RSS grew by {:.1} MiB while the broker was frozen",
         held as f64 / 1048576.0
     );
     // the drain: the window, its copies, the client's read-ahead and what the allocator keeps;
     // the rows committed are 270 MB
     assert!(
-        grown < 80 << 20,
+        grown < 96 << 20,
         "peak RSS grew by {:.1} MiB",
         grown as f64 / 1048576.0
     );
