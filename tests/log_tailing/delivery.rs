@@ -209,10 +209,11 @@ async fn one_large_transaction(n: u32, check_order: bool, stall_broker: bool) ->
         );
     }
     println!(
-        "{n} events of 10 kB in one transaction: slot confirmed past it after {:.1} s, relay peak RSS {:.1} MiB, {:.1} MiB over its own before the commit",
+        "{n} events of 10 kB in one transaction: slot confirmed past it after {:.1} s, relay peak RSS {:.1} MiB, {:.1} MiB over its own before the commit ({})",
         took.as_secs_f64(),
         tail.peak_rss() as f64 / 1048576.0,
-        grown as f64 / 1048576.0
+        grown as f64 / 1048576.0,
+        tail.memory()
     );
     (grown, took)
 }
@@ -294,9 +295,10 @@ async fn a_frozen_broker_leaves_few_large_rows_received_ahead() {
     // the peak so far (VmHWM), while the relay runs on
     let grown = tail.peak_rss().saturating_sub(before);
     println!(
-        "{ROWS} rows of 900 KB: relay peak RSS grew by {:.1} MiB while the broker was frozen, by {:.1} MiB in all",
+        "{ROWS} rows of 900 KB: relay peak RSS grew by {:.1} MiB while the broker was frozen, by {:.1} MiB in all ({})",
         held as f64 / 1048576.0,
-        grown as f64 / 1048576.0
+        grown as f64 / 1048576.0,
+        tail.memory()
     );
     assert_eq!(stream.count().await, ROWS);
     assert!(

@@ -411,6 +411,23 @@ impl Proc {
             .map_or(0, |kb| kb * 1024)
     }
 
+    /// What its memory is made of now (`/proc/<pid>/status`: resident, anonymous, file-backed,
+    /// threads), for a failed bound on [`Proc::peak_rss`] to show.
+    pub fn memory(&self) -> String {
+        let status =
+            std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap_or_default();
+        status
+            .lines()
+            .filter(|l| {
+                ["VmHWM:", "VmRSS:", "RssAnon:", "RssFile:", "Threads:"]
+                    .iter()
+                    .any(|k| l.starts_with(k))
+            })
+            .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
     pub fn signal(&self, sig: &str) {
         let _ = Command::new("kill")
             .arg(format!("-{sig}"))
