@@ -399,12 +399,15 @@ impl Proc {
         self.child.id() as i32
     }
 
+    /// Its `/proc/<pid>/status`; empty once it has exited.
+    fn status(&self) -> String {
+        std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap_or_default()
+    }
+
     /// Its peak resident memory so far (`VmHWM` of `/proc/<pid>/status`), in bytes; 0 once it
     /// has exited.
     pub fn peak_rss(&self) -> u64 {
-        let status =
-            std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap_or_default();
-        status
+        self.status()
             .lines()
             .find_map(|l| l.strip_prefix("VmHWM:"))
             .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
@@ -414,9 +417,7 @@ impl Proc {
     /// What its memory is made of now (`/proc/<pid>/status`: resident, anonymous, file-backed,
     /// threads), for a failed bound on [`Proc::peak_rss`] to show.
     pub fn memory(&self) -> String {
-        let status =
-            std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap_or_default();
-        status
+        self.status()
             .lines()
             .filter(|l| {
                 ["VmHWM:", "VmRSS:", "RssAnon:", "RssFile:", "Threads:"]
