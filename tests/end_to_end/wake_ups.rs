@@ -95,6 +95,63 @@ async fn unordered_relay_reads_commits_after_a_notified_one_within_its_linger() 
     commits_after_a_notified_one(outbox_nats::Unordered::default().workers(1).into()).await;
 }
 
+/// The linger's reads after the first ask PostgreSQL first whether a transaction ended, as a
+/// poll does: the batch statement's start costs the server several times the question, and
+/// with commits further apart than the reads most of them find nothing. A relay lingering 3 s
+/// (a read every 300 ms) after one notified commit runs the batch statement a few times, not
+/// at each of its ten reads.
+#[tokio::test]
+async fn the_ordered_relays_lingering_reads_ask_first_after_the_first() {
+    let (_cluster, db) = TestDb::counting_statements();
+    let stream = TestStream::new();
+    let outbox = Outbox::new(OutboxTable::default());
+    let config = polling_every_10s(
+        &db,
+        &stream,
+        outbox_nats::Ordered::default().into(),
+        Duration::from_secs(3),
+    );
+    let relay = InProcessRelay::start(config, &stream).await;
+    // past the relay's start, its first reads and looks
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let batches = || db.calls_and_plans("WITH cur AS MATERIALIZED%").0;
+    let questions = || {
+        db.calls_and_plans("SELECT pg_current_snapshot()::text AS snap")
+            .0
+    };
+    let (batches_before, questions_before) = (batches(), questions());
+    let mut conn = db.conn();
+    conn.transaction(|conn| {
+        conn.record_event_in(
+            &outbox,
+            &OrderPlaced {
+                order_id: "o-1".into(),
+                n: 1,
+            },
+        )
+    })
+    .expect("record");
+    wait_until(
+        Duration::from_secs(5),
+        "the notified commit published",
+        || async { stream.count().await == 1 },
+    )
+    .await;
+    // the linger, and a little more
+    tokio::time::sleep(Duration::from_millis(3_500)).await;
+    let (reads, asked) = (batches() - batches_before, questions() - questions_before);
+    relay.stop().await;
+    eprintln!("one commit and its linger: {reads} batch statements, {asked} questions");
+    assert!(
+        asked >= 5,
+        "the lingering reads asked first: {asked} questions, {reads} batch statements"
+    );
+    assert!(
+        reads <= 6,
+        "the batch statement ran {reads} times for one commit and its linger ({asked} questions)"
+    );
+}
+
 /// A parked row, released by `retry` while the relay idles (polling and balancing every 10 s):
 /// `retry` notifies the table's channel, and the relay publishes the row at once (before, at
 /// its next poll: an idle relay's question does not see a row whose `UPDATE` kept its

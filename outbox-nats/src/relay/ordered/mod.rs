@@ -129,6 +129,8 @@ impl OrderedRelay {
         let mut average_payload = 0;
         // the last read that found rows: commits right after it may not have been notified
         let mut found = None;
+        // the last read within the linger that ran without asking first (see below)
+        let mut lingered = None;
         let mut lookups = self.reconciler.lookups();
         // after a read that found nothing, a poll asks whether a transaction ended first
         let mut reads = db::Reads::default();
@@ -313,11 +315,22 @@ impl OrderedRelay {
                     self.health.progressed();
                     match idle(conn, cfg, &self.shutdown, next_balance, found).await {
                         Some(note) if peers.is_peer(&note) => next_balance = Instant::now(),
-                        // a writer's commit, or a read within the linger after rows were
-                        // found (a debounced writer's commits come unnotified): read at once,
-                        // without asking first whether a transaction ended
+                        // a writer's commit: read at once, without asking first whether a
+                        // transaction ended
                         Some(_) => reads.forget(),
-                        None if found.is_some_and(|f| f.elapsed() < cfg.linger) => reads.forget(),
+                        // the first read within the linger after rows were found (a debounced
+                        // writer's commits come unnotified): at once too. The next ones ask
+                        // first, as a poll does: under a steady stream the first finds rows
+                        // and the linger starts again; with commits further apart most of
+                        // them find nothing, and the question costs PostgreSQL a fraction of
+                        // the batch statement's start
+                        None if found.is_some_and(|f| {
+                            f.elapsed() < cfg.linger && lingered.is_none_or(|l| l < f)
+                        }) =>
+                        {
+                            lingered = Some(Instant::now());
+                            reads.forget();
+                        }
                         None => {}
                     }
                 } else {
