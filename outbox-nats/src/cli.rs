@@ -171,7 +171,7 @@ pub struct RelayArgs {
     /// How often an idle relay polls (`250ms`, `5s`).
     #[arg(long, env = "OUTBOX_POLL_INTERVAL", default_value = "100ms", value_parser = humantime::parse_duration)]
     pub poll_interval: Duration,
-    /// After a read that found rows, keep reading every fifth of this long instead of
+    /// After a read that found rows, keep reading every tenth of this long instead of
     /// waiting for a NOTIFY (`0` turns it off): commits that the writers' debounced NOTIFY
     /// did not announce are published within milliseconds. Set it to the writers' debounce
     /// interval (`Notify::Debounced`, 10 ms by default).

@@ -56,18 +56,22 @@ pub struct RelayConfig {
     /// mode), and the publishes in flight stay within it too (one is always sent). Log
     /// tailing: the reader holds no more than this of events read and not acked; a read stops
     /// at what is left of it, inside a transaction too, so a larger transaction is published
-    /// in parts while the rest of it is read (the replication client receives up to 256
+    /// in parts while the rest of it is read (the replication client receives up to 64
     /// messages ahead besides). This bounds the relay's memory for any payload mix and any
     /// transaction size, as `batch_size` alone does not.
     pub max_batch_bytes: usize,
     /// How often an idle relay polls (default 100 ms); `NOTIFY` wakes it sooner.
     pub poll_interval: Duration,
-    /// How long a polling relay keeps reading after a read that found rows, every fifth of
-    /// it, instead of waiting for the next `NOTIFY` (default 10 ms, the recording side's
-    /// default [`Notify::Debounced`](outbox_diesel::Notify::Debounced) interval; zero turns
-    /// it off). A debounced writer notifies the first commit of each interval only; the
-    /// commits after it are found by these reads within 2 ms instead of by the next
-    /// notified commit or poll. Set it to the writers' debounce interval.
+    /// How long a polling relay keeps reading after a read that found rows, every tenth of
+    /// it (1 ms at least), instead of waiting for the next `NOTIFY` (default 10 ms, the
+    /// recording side's default [`Notify::Debounced`](outbox_diesel::Notify::Debounced)
+    /// interval; zero turns it off). A debounced writer notifies the first commit of each
+    /// interval only; the commits after it are found by these reads within a millisecond
+    /// instead of by the next notified commit or poll. Set it to the writers' debounce
+    /// interval. The first of these reads runs the batch statement; the next ones ask
+    /// PostgreSQL first whether a transaction ended, as a poll does. At 100 commits a second,
+    /// a relay's sessions spend about 12-13% of a core with the default and 9-10% with none
+    /// (BENCHMARKS.md section 32).
     pub linger: Duration,
     /// Whether to `LISTEN` for the recording side's `NOTIFY` (default on).
     pub listen: bool,

@@ -403,11 +403,9 @@ impl Relay {
     }
 }
 
-/// Waits for a `NOTIFY`, the poll interval (but not past `until`), or shutdown. Within
-/// [`RelayConfig::linger`] of `found` (the last read that found rows) it waits a fifth of
-/// that at most: a debounced writer notified only the first of the commits that may follow.
-/// Returns the notification that woke it, if one did: a writer's (when the relay listens for
-/// them) or, in ordered mode, another relay's on the members' channel.
+/// Waits for a `NOTIFY`, the next look ([`next_look`]), or shutdown. Returns the notification
+/// that woke it, if one did: a writer's (when the relay listens for them) or, in ordered mode,
+/// another relay's on the members' channel.
 pub(crate) async fn idle(
     conn: &mut AsyncPgConnection,
     cfg: &RelayConfig,
@@ -415,15 +413,29 @@ pub(crate) async fn idle(
     until: std::time::Instant,
     found: Option<std::time::Instant>,
 ) -> Option<PgNotification> {
-    let now = std::time::Instant::now();
-    let mut deadline = (now + cfg.poll_interval).min(until.max(now));
-    if let Some(found) = found
-        && now < found + cfg.linger
-    {
-        let step = (cfg.linger / 5).max(std::time::Duration::from_millis(1));
-        deadline = deadline.min(now + step);
-    }
+    let deadline = next_look(std::time::Instant::now(), cfg, until, found);
     sleep_or_notified(conn, shutdown, deadline).await
+}
+
+/// When an idle relay reads again, `now`: after the poll interval, but not past `until`;
+/// within [`RelayConfig::linger`] of `found` (the last read that found rows), after a tenth of
+/// the linger (1 ms at least): a debounced writer notified only the first of the commits that
+/// may follow, and under a steady stream of commits each waits for the next of these reads
+/// (at 1,000 commits a second, p99 commit-to-ack 3.1-3.8 ms with a tenth, 4.3-5.3 with a
+/// fifth; BENCHMARKS.md section 32).
+fn next_look(
+    now: std::time::Instant,
+    cfg: &RelayConfig,
+    until: std::time::Instant,
+    found: Option<std::time::Instant>,
+) -> std::time::Instant {
+    let deadline = (now + cfg.poll_interval).min(until.max(now));
+    match found {
+        Some(found) if now < found + cfg.linger => {
+            deadline.min(now + (cfg.linger / 10).max(std::time::Duration::from_millis(1)))
+        }
+        _ => deadline,
+    }
 }
 
 /// Waits until `deadline`, a notification on a channel this session listens on (none comes
@@ -563,5 +575,38 @@ pub(crate) async fn settle(
                 Ok(backoff.sleep(shutdown).await)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::*;
+
+    #[test]
+    fn an_idle_relay_looks_again_within_a_tenth_of_its_linger_after_rows() {
+        let ms = Duration::from_millis;
+        let cfg = RelayConfig::new("postgres://localhost/app")
+            .poll_interval(ms(100))
+            .linger(ms(10));
+        let now = Instant::now();
+        let far = now + Duration::from_secs(60);
+        // nothing found lately: the poll interval, or `until` when sooner
+        assert_eq!(next_look(now, &cfg, far, None), now + ms(100));
+        assert_eq!(next_look(now, &cfg, now + ms(30), None), now + ms(30));
+        assert_eq!(next_look(now, &cfg, now - ms(5), None), now);
+        // rows found within the linger: a tenth of it
+        assert_eq!(next_look(now, &cfg, far, Some(now)), now + ms(1));
+        assert_eq!(next_look(now, &cfg, far, Some(now - ms(9))), now + ms(1));
+        // past the linger
+        assert_eq!(next_look(now, &cfg, far, Some(now - ms(10))), now + ms(100));
+        let long = cfg.clone().linger(ms(50));
+        assert_eq!(next_look(now, &long, far, Some(now - ms(20))), now + ms(5));
+        // never less than a millisecond, and off with no linger
+        let short = cfg.clone().linger(ms(4));
+        assert_eq!(next_look(now, &short, far, Some(now)), now + ms(1));
+        let off = cfg.linger(Duration::ZERO);
+        assert_eq!(next_look(now, &off, far, Some(now)), now + ms(100));
     }
 }
