@@ -96,25 +96,19 @@ async fn unordered_relay_reads_commits_after_a_notified_one_within_its_linger() 
 }
 
 /// The linger's reads after the first ask PostgreSQL first whether a transaction ended, as a
-/// poll does: the batch statement's start costs the server several times the question, and
-/// with commits further apart than the reads most of them find nothing. A relay lingering 3 s
-/// (a read every 300 ms) after one notified commit runs the batch statement a few times, not
-/// at each of its ten reads.
-#[tokio::test]
-async fn the_ordered_relays_lingering_reads_ask_first_after_the_first() {
+/// poll does: the batch statement's start (or a claim's) costs the server several times the
+/// question, and with commits further apart than the reads most of them find nothing. A relay
+/// lingering 3 s (a read every 300 ms) after one notified commit reads (`reads`, a `LIKE`
+/// pattern of its read statement) a few times, not at each of its ten reads.
+async fn lingering_reads_ask_first_after_the_first(mode: outbox_nats::Mode, reads: &str) {
     let (_cluster, db) = TestDb::counting_statements();
     let stream = TestStream::new();
     let outbox = Outbox::new(OutboxTable::default());
-    let config = polling_every_10s(
-        &db,
-        &stream,
-        outbox_nats::Ordered::default().into(),
-        Duration::from_secs(3),
-    );
+    let config = polling_every_10s(&db, &stream, mode, Duration::from_secs(3));
     let relay = InProcessRelay::start(config, &stream).await;
     // past the relay's start, its first reads and looks
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let batches = || db.calls_and_plans("WITH cur AS MATERIALIZED%").0;
+    let batches = || db.calls_and_plans(reads).0;
     let questions = || {
         db.calls_and_plans("SELECT pg_current_snapshot()::text AS snap")
             .0
@@ -141,15 +135,33 @@ async fn the_ordered_relays_lingering_reads_ask_first_after_the_first() {
     tokio::time::sleep(Duration::from_millis(3_500)).await;
     let (reads, asked) = (batches() - batches_before, questions() - questions_before);
     relay.stop().await;
-    eprintln!("one commit and its linger: {reads} batch statements, {asked} questions");
+    eprintln!("one commit and its linger: {reads} reads, {asked} questions");
     assert!(
         asked >= 5,
-        "the lingering reads asked first: {asked} questions, {reads} batch statements"
+        "the lingering reads asked first: {asked} questions, {reads} reads"
     );
     assert!(
         reads <= 6,
-        "the batch statement ran {reads} times for one commit and its linger ({asked} questions)"
+        "the relay read {reads} times for one commit and its linger ({asked} questions)"
     );
+}
+
+#[tokio::test]
+async fn the_ordered_relays_lingering_reads_ask_first_after_the_first() {
+    lingering_reads_ask_first_after_the_first(
+        outbox_nats::Ordered::default().into(),
+        "WITH cur AS MATERIALIZED%",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn the_unordered_relays_lingering_claims_ask_first_after_the_first() {
+    lingering_reads_ask_first_after_the_first(
+        outbox_nats::Unordered::default().workers(1).into(),
+        "SELECT o.seq, o.id, o.aggregate_type%SKIP LOCKED%",
+    )
+    .await;
 }
 
 /// A parked row, released by `retry` while the relay idles (polling and balancing every 10 s):

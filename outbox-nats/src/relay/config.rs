@@ -68,9 +68,10 @@ pub struct RelayConfig {
     /// interval; zero turns it off). A debounced writer notifies the first commit of each
     /// interval only; the commits after it are found by these reads within a millisecond
     /// instead of by the next notified commit or poll. Set it to the writers' debounce
-    /// interval. The first of these reads runs the batch statement; the next ones ask
-    /// PostgreSQL first whether a transaction ended, as a poll does. At 100 commits a second,
-    /// a relay's sessions spend about 12-13% of a core with the default and 9-10% with none
+    /// interval. The first of these reads runs at once (an ordered relay's batch statement,
+    /// an unordered worker's claim); the next ones ask PostgreSQL first whether a
+    /// transaction ended, as a poll does. At 100 commits a second, an ordered relay's
+    /// sessions spend about 12-13% of a core with the default and 9-10% with none
     /// (BENCHMARKS.md section 32).
     pub linger: Duration,
     /// Whether to `LISTEN` for the recording side's `NOTIFY` (default on).

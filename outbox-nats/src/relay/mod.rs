@@ -431,11 +431,14 @@ fn next_look(
 ) -> std::time::Instant {
     let deadline = (now + cfg.poll_interval).min(until.max(now));
     match found {
-        Some(found) if now < found + cfg.linger => {
-            deadline.min(now + (cfg.linger / 10).max(std::time::Duration::from_millis(1)))
-        }
+        Some(found) if now < found + cfg.linger => deadline.min(now + linger_step(cfg)),
         _ => deadline,
     }
+}
+
+/// How often a relay reads within its linger: a tenth of it, 1 ms at least.
+pub(crate) fn linger_step(cfg: &RelayConfig) -> std::time::Duration {
+    (cfg.linger / 10).max(std::time::Duration::from_millis(1))
 }
 
 /// Waits until `deadline`, a notification on a channel this session listens on (none comes

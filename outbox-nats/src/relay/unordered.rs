@@ -152,24 +152,24 @@ impl UnorderedWorker {
         let mut average_payload = 0;
         // the last batch published: commits right after it may not have been notified
         let mut found = None;
-        // whether to ask the shared question before claiming (an idle poll, not a writer's
-        // notification nor within the linger)
-        let mut ask = false;
+        // whether to ask the shared question before claiming, and how fresh another worker's
+        // answer must be (an idle poll, or a read within the linger after its first; not a
+        // writer's notification)
+        let mut ask = None;
+        // the last claim within the linger that ran without asking first
+        let mut lingered = None;
         while !self.shutdown.is_cancelled() {
             // nothing came since the snapshot asked for before a claim that found nothing: the
             // claim would find nothing again (a row it skipped was locked by a worker, which
             // publishes it or claims it again; one unlocked otherwise waits for the claim that
             // runs at least once a second while the snapshot moves)
-            let asked = if ask {
-                let asked = self
-                    .question
-                    .ask(conn, &cfg.table, cfg.poll_interval, &lease)
-                    .await?;
+            let asked = if let Some(fresh) = ask {
+                let asked = self.question.ask(conn, &cfg.table, fresh, &lease).await?;
                 if asked.is_none() {
                     self.health.progressed();
                     // a worker that takes the others' answers still keeps its session
                     lease.renew_if_due(conn).await?;
-                    ask = self.idle(conn, found).await;
+                    ask = self.idle(conn, found, &mut lingered).await;
                     continue;
                 }
                 asked
@@ -219,14 +219,14 @@ impl UnorderedWorker {
                     Ok(Some(end))
                 })
                 .await?;
-            ask = false;
+            ask = None;
             match end {
                 None => {
                     self.health.progressed();
                     if let Some(snapshot) = asked {
                         self.question.found_nothing(snapshot);
                     }
-                    ask = self.idle(conn, found).await;
+                    ask = self.idle(conn, found, &mut lingered).await;
                 }
                 Some(BatchEnd::Done) => {
                     backoff.reset();
@@ -243,12 +243,34 @@ impl UnorderedWorker {
     }
 
     /// Waits for the next poll or a writer's notification; whether the next claim asks first
-    /// whether a transaction ended (not after a notification, nor within the linger after a
-    /// batch, when a debounced writer's commits come unnotified).
-    async fn idle(&self, conn: &mut AsyncPgConnection, found: Option<Instant>) -> bool {
+    /// whether a transaction ended, and how fresh another worker's answer must be: not after a
+    /// notification, nor at the first read within the linger after a batch (a debounced
+    /// writer's commits come unnotified); at the linger's next reads, an answer of its step
+    /// (an answer a poll interval old would hold them back); otherwise one of the poll interval.
+    async fn idle(
+        &self,
+        conn: &mut AsyncPgConnection,
+        found: Option<Instant>,
+        lingered: &mut Option<Instant>,
+    ) -> Option<Duration> {
         let cfg = &*self.cfg;
         let deadline = Instant::now() + cfg.poll_interval;
-        let note = idle(conn, cfg, &self.shutdown, deadline, found).await;
-        note.is_none() && found.is_none_or(|f| f.elapsed() >= cfg.linger)
+        if idle(conn, cfg, &self.shutdown, deadline, found)
+            .await
+            .is_some()
+        {
+            return None;
+        }
+        match found {
+            Some(f) if f.elapsed() < cfg.linger => {
+                if lingered.is_none_or(|l| l < f) {
+                    *lingered = Some(Instant::now());
+                    None
+                } else {
+                    Some(super::linger_step(cfg))
+                }
+            }
+            _ => Some(cfg.poll_interval),
+        }
     }
 }
