@@ -421,8 +421,8 @@ pub(crate) async fn idle(
 /// within [`RelayConfig::linger`] of `found` (the last read that found rows), after a tenth of
 /// the linger (1 ms at least): a debounced writer notified only the first of the commits that
 /// may follow, and under a steady stream of commits each waits for the next of these reads
-/// (at 1,000 commits a second, p99 commit-to-ack 3.1-3.8 ms with a tenth, 4.3-5.3 with a
-/// fifth; BENCHMARKS.md section 32).
+/// (at 1,000 commits a second, p99 commit-to-ack 3.1-4.7 ms in 8 runs of 9 with a tenth,
+/// 4.3-5.9 with a fifth; BENCHMARKS.md section 32).
 fn next_look(
     now: std::time::Instant,
     cfg: &RelayConfig,
