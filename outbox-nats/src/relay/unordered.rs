@@ -23,6 +23,7 @@ use outbox_diesel::relay as db;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info_span, warn};
 
+use super::wake::{linger_step, lingering_read};
 use super::{Backoff, Health, Session, SessionEnd, idle, reconnecting, retire, settle};
 use crate::RelayConfig;
 use crate::lease::Lease;
@@ -261,16 +262,10 @@ impl UnorderedWorker {
         {
             return None;
         }
-        match found {
-            Some(f) if f.elapsed() < cfg.linger => {
-                if lingered.is_none_or(|l| l < f) {
-                    *lingered = Some(Instant::now());
-                    None
-                } else {
-                    Some(super::linger_step(cfg))
-                }
-            }
-            _ => Some(cfg.poll_interval),
+        match lingering_read(cfg, found, lingered) {
+            Some(true) => None,
+            Some(false) => Some(linger_step(cfg)),
+            None => Some(cfg.poll_interval),
         }
     }
 }

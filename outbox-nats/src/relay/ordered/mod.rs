@@ -39,6 +39,7 @@ use outbox_diesel::relay::{self as db, OutboxRow, Partition};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
+use super::wake::lingering_read;
 use super::{
     Backoff, Health, Peers, Session, SessionEnd, idle, reconnecting, settle, sleep_or_notified,
 };
@@ -129,7 +130,7 @@ impl OrderedRelay {
         let mut average_payload = 0;
         // the last read that found rows: commits right after it may not have been notified
         let mut found = None;
-        // the last read within the linger that ran without asking first (see below)
+        // the last read within the linger that ran without asking first (`lingering_read`)
         let mut lingered = None;
         let mut lookups = self.reconciler.lookups();
         // after a read that found nothing, a poll asks whether a transaction ended first
@@ -319,19 +320,13 @@ impl OrderedRelay {
                         // transaction ended
                         Some(_) => reads.forget(),
                         // the first read within the linger after rows were found (a debounced
-                        // writer's commits come unnotified): at once too. The next ones ask
-                        // first, as a poll does: under a steady stream the first finds rows
-                        // and the linger starts again; with commits further apart most of
-                        // them find nothing, and the question costs PostgreSQL a fraction of
-                        // the batch statement's start
-                        None if found.is_some_and(|f| {
-                            f.elapsed() < cfg.linger && lingered.is_none_or(|l| l < f)
-                        }) =>
-                        {
-                            lingered = Some(Instant::now());
-                            reads.forget();
+                        // writer's commits come unnotified): at once too; the next ones ask
+                        // first, as a poll does
+                        None => {
+                            if lingering_read(cfg, found, &mut lingered) == Some(true) {
+                                reads.forget();
+                            }
                         }
-                        None => {}
                     }
                 } else {
                     // caught up: let the last acks arrive, record them on the next step
